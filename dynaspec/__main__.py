@@ -1,0 +1,5 @@
+import sys
+
+from dynaspec.cli import main
+
+sys.exit(main())

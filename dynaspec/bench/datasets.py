@@ -1,0 +1,64 @@
+"""Prompt sets: the bundled MT-Bench and HumanEval, or any local JSON/JSONL/text file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+BUILTIN = {"mtbench": DATA_DIR / "mt_bench.jsonl", "humaneval": DATA_DIR / "humaneval.jsonl"}
+
+Prompt = str | list[dict]  # plain text, or chat messages
+
+
+def load_prompts(spec: str, chat: bool = True) -> list[Prompt]:
+    """Prompts from a built-in set name or a file.
+
+    Files may be JSONL (one object per line), a JSON list, or plain text (one prompt per line).
+    An object gives its prompt as ``messages`` (chat), ``prompt``, ``turns`` (first turn) or
+    ``text``. With ``chat``, plain prompts become a single user message.
+    """
+    path = BUILTIN.get(spec.lower().replace("-", "").replace("_", ""), Path(spec))
+    if not path.is_file():
+        raise ValueError(f"dataset: {spec!r} is neither a built-in set ({', '.join(BUILTIN)}) nor a file")
+    text = path.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    items: list = []
+    if stripped.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"dataset: {path}: invalid JSON: {e}") from None
+    else:
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    items.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"dataset: {path}:{n}: invalid JSON: {e}") from None
+            else:
+                items.append(line)
+    prompts = [_prompt(item, path, chat, is_humaneval=path == BUILTIN["humaneval"]) for item in items]
+    if not prompts:
+        raise ValueError(f"dataset: {path} holds no prompts")
+    return prompts
+
+
+def _prompt(item: object, path: Path, chat: bool, is_humaneval: bool) -> Prompt:
+    if isinstance(item, str):
+        text = item
+    elif isinstance(item, dict) and isinstance(item.get("messages"), list):
+        return item["messages"]
+    elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
+        text = item["prompt"]
+        if is_humaneval and chat:
+            text = f"Complete the following Python function. Reply with code only.\n\n```python\n{text}```"
+    elif isinstance(item, dict) and isinstance(item.get("turns"), list) and item["turns"]:
+        text = item["turns"][0]
+    elif isinstance(item, dict) and isinstance(item.get("text"), str):
+        text = item["text"]
+    else:
+        raise ValueError(f"dataset: {path}: an entry has none of messages, prompt, turns, text")
+    return [{"role": "user", "content": text}] if chat else text

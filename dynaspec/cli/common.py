@@ -1,0 +1,32 @@
+"""Flags shared by the subcommands that build an engine."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", required=True, help="pack name (see `dynaspec models list`), HF directory or .gguf file")
+    g.add_argument("--speculative-config", default=None,
+                   help="JSON, or @path/to/file.json: method, model, num_speculative_tokens, ...")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--max-num-seqs", type=int, default=32, help="cap on running requests")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV cache budget")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        speculative_config=args.speculative_config,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        seed=args.seed,
+    )

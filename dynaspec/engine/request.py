@@ -1,0 +1,111 @@
+"""A request's state as it moves waiting -> running -> finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from dynaspec.sampling_params import SamplingParams
+
+
+class Detokenizer(Protocol):
+    def add(self, new_ids: list[int]) -> str: ...
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_total_tokens: int  # prompt + output may not exceed this (the model's context)
+    detokenizer: Detokenizer
+    generator: torch.Generator
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    # tokens (prompt + output) whose K/V are in the cache; a decoding request has all but its last
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_decoding(self) -> bool:
+        """Prefill done: every token but the last has its K/V in the cache."""
+        return self.status is RequestStatus.RUNNING and self.num_computed_tokens == self.num_tokens - 1
+
+    @property
+    def max_new_tokens_left(self) -> int:
+        by_params = self.params.max_tokens - len(self.output_token_ids)
+        by_context = self.max_total_tokens - self.num_tokens
+        return max(0, min(by_params, by_context))
+
+    def append(self, token_id: int) -> bool:
+        """Append one generated token and apply the stop rules; True if the request finished."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+        new_text = self.detokenizer.add([token_id])
+        params = self.params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            self.finish_reason = FinishReason.STOP
+            return True
+        if new_text:
+            tail_from = max(0, len(self.output_text) - max((len(s) for s in params.stop), default=0))
+            self.output_text += new_text
+            for stop in params.stop:
+                at = self.output_text.find(stop, tail_from)
+                if at != -1:
+                    self.output_text = self.output_text[:at]
+                    self.finish_reason = FinishReason.STOP
+                    return True
+        if self.max_new_tokens_left == 0:
+            self.finish_reason = FinishReason.LENGTH
+            return True
+        return False
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    output_token_ids: list[int]  # all generated so far
+    text: str  # all generated text so far (stop strings cut)
+    num_prompt_tokens: int

@@ -1,0 +1,197 @@
+"""Continuous batching: who runs this step, how many tokens each, and K for the decodes.
+
+The scheduler owns requests and KV blocks, never tensors. Decoding requests run first, each with
+room reserved for K draft tokens; the rest of the token budget goes to prefill chunks, so a long
+prompt never stalls running decodes for more than one chunk. When blocks run out, the newest
+running request is preempted (its blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from dynaspec.engine.kv_cache import BlockAllocator
+from dynaspec.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+
+
+class KChooser(Protocol):
+    def choose(self, num_decode_requests: int) -> int: ...
+    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None: ...
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    request: Request
+    num_tokens: int  # prompt tokens computed this step
+
+    @property
+    def completes(self) -> bool:
+        """This chunk reaches the last token, so the step samples the request's next token."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulePlan:
+    decodes: list[Request]  # each verifies its last token plus up to max_drafts[i] drafts
+    max_drafts: list[int]  # [len(decodes)] per-request cap on K (short of max_tokens / context)
+    prefills: list[PrefillChunk]
+    k: int  # K chosen for this step
+    released: list[str] = field(default_factory=list)  # preempted or finished since the last plan
+
+    @property
+    def sampled(self) -> list[Request]:
+        """Requests that get new tokens this step: decodes, then prefills that complete."""
+        return self.decodes + [c.request for c in self.prefills if c.completes]
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decodes)
+
+
+@dataclass(slots=True)
+class StepResult:
+    token_ids: list[list[int]]  # per plan.sampled request: emitted tokens (accepted drafts + 1)
+    num_drafts: list[int]  # per decode: drafts verified
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        k_chooser: KChooser | None,
+    ) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.k_chooser = k_chooser
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._released: list[str] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        for queue in (self.running, self.waiting):
+            for r in queue:
+                if r.request_id == request_id:
+                    queue.remove(r)
+                    self._finish(r, FinishReason.ABORT)
+                    return r
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulePlan:
+        decodes = [r for r in self.running if r.is_decoding]
+        k = self.k_chooser.choose(len(decodes)) if self.k_chooser is not None else 0
+        max_drafts: dict[str, int] = {}
+        for r in list(decodes):
+            if r.status is not RequestStatus.RUNNING:  # preempted to make room for an older one
+                continue
+            cap = min(k, max(0, r.max_new_tokens_left - 1))
+            if not self._reserve(r, r.num_tokens + cap):
+                continue
+            max_drafts[r.request_id] = cap
+        decodes = [r for r in decodes if r.request_id in max_drafts]
+        budget = self.max_num_batched_tokens - sum(1 + c for c in max_drafts.values())
+
+        prefills = []
+        for r in [r for r in self.running if not r.is_decoding]:
+            if budget <= 0:
+                break
+            chunk = min(r.num_tokens - r.num_computed_tokens, budget)
+            if self._reserve(r, r.num_computed_tokens + chunk, allow_preempt=False):
+                prefills.append(PrefillChunk(r, chunk))
+                budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            chunk = min(r.num_tokens, budget)
+            # admit only with a block of headroom per running request, so decodes can grow
+            if self.allocator.blocks_needed(r.block_ids, chunk) + len(self.running) > self.allocator.num_free:
+                break
+            self.allocator.grow(r.block_ids, chunk)
+            self.waiting.popleft()
+            r.status = RequestStatus.RUNNING
+            self.running.append(r)
+            prefills.append(PrefillChunk(r, chunk))
+            budget -= chunk
+
+        released, self._released = self._released, []
+        return SchedulePlan(
+            decodes=decodes,
+            max_drafts=[max_drafts[r.request_id] for r in decodes],
+            prefills=prefills,
+            k=k,
+            released=released,
+        )
+
+    def update(self, plan: SchedulePlan, result: StepResult) -> list[RequestOutput]:
+        """Apply a step's tokens: advance computed counts, append, finish and free."""
+        if self.k_chooser is not None and plan.decodes:
+            accepted = [len(t) - 1 for t in result.token_ids[: plan.num_decodes]]
+            self.k_chooser.observe(result.num_drafts, accepted)
+        for chunk in plan.prefills:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        outputs = []
+        for r, tokens in zip(plan.sampled, result.token_ids):
+            if r.status is not RequestStatus.RUNNING:
+                continue
+            if r.is_decoding:  # the last token and the accepted drafts now have valid K/V
+                r.num_computed_tokens += len(tokens)
+            emitted = []
+            finished = False
+            for t in tokens:
+                emitted.append(t)
+                if r.append(t):
+                    finished = True
+                    break
+            if finished:
+                self.running.remove(r)
+                self._finish(r, r.finish_reason)
+            outputs.append(_output(r, emitted))
+        return outputs
+
+    def _finish(self, r: Request, reason: FinishReason | None) -> None:
+        r.status = RequestStatus.FINISHED
+        r.finish_reason = reason
+        self.allocator.free(r.block_ids)
+        self._released.append(r.request_id)
+
+    def _reserve(self, r: Request, num_tokens: int, allow_preempt: bool = True) -> bool:
+        """Blocks for ``num_tokens`` tokens of ``r``, preempting newer requests if needed."""
+        while not self.allocator.grow(r.block_ids, num_tokens):
+            if not allow_preempt:
+                return False
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is r:
+                return False
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self.allocator.free(r.block_ids)
+        r.num_computed_tokens = 0
+        r.status = RequestStatus.WAITING
+        self.waiting.appendleft(r)
+        self._released.append(r.request_id)
+        self.num_preemptions += 1
+
+
+def _output(r: Request, new_token_ids: list[int]) -> RequestOutput:
+    return RequestOutput(
+        request_id=r.request_id,
+        new_token_ids=new_token_ids,
+        finished=r.status is RequestStatus.FINISHED,
+        finish_reason=r.finish_reason,
+        output_token_ids=list(r.output_token_ids),
+        text=r.output_text,
+        num_prompt_tokens=len(r.prompt_token_ids),
+    )

@@ -1,0 +1,59 @@
+"""Model-free drafting by prompt lookup: continue the latest earlier occurrence of the trailing n-gram."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dynaspec.engine.sampler import SamplingTensors
+from dynaspec.engine.scheduler import SchedulePlan, StepResult
+from dynaspec.spec.proposer import Drafts, ProposerContext, register_proposer
+
+
+def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier match of the longest trailing n-gram.
+
+    ``tokens`` is the request's prompt + output so far (1-D int array). Longer n-grams are tried
+    first; an empty list means no n in [n_min, n_max] matched.
+    """
+    length = len(tokens)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        suffix = tokens[length - n :]
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)  # [length - n, n]
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+@register_proposer("ngram")
+class NgramProposer:
+    def __init__(self, spec_config, ctx: ProposerContext) -> None:
+        self.n_min = spec_config.prompt_lookup_min
+        self.n_max = spec_config.prompt_lookup_max
+        self.device = ctx.device
+
+    def kv_bytes_per_token(self) -> int:
+        return 0
+
+    def allocate_kv(self, num_slots: int) -> None:
+        pass
+
+    def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
+        if plan.k == 0:
+            return Drafts.none(plan.num_decodes, self.device)
+        rows = [
+            ngram_lookup(np.asarray(r.all_token_ids), self.n_min, self.n_max, cap) if cap else []
+            for r, cap in zip(plan.decodes, plan.max_drafts)
+        ]
+        tokens = torch.zeros(plan.num_decodes, plan.k, dtype=torch.long)
+        for i, row in enumerate(rows):
+            tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return Drafts(tokens.to(self.device), [len(r) for r in rows], None)
+
+    def commit(self, plan: SchedulePlan, result: StepResult) -> None:
+        pass
+
+    def release(self, request_ids: list[str]) -> None:
+        pass

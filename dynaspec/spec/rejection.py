@@ -1,0 +1,77 @@
+"""Lossless verification of draft tokens against the target's distribution (a pure function).
+
+Greedy rows accept drafts while they equal the target's argmax. Sampled rows accept draft x with
+probability min(1, p(x) / q(x)); at the first rejection they sample from normalize(max(0, p - q));
+after all drafts are accepted they sample a bonus token from p. The emitted sequence is thus
+distributed exactly as the target's own samples. q is the draft's processed distribution, or a
+one-hot at the draft token for deterministic proposers (n-gram).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynaspec.engine.sampler import SamplingTensors, processed_probs, sample_from
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,  # [batch, k + 1, vocab] float32; row b valid up to num_drafts[b] + 1
+    draft_tokens: torch.Tensor,  # [batch, k] int64
+    num_drafts: list[int],  # [batch] drafts to verify per row (0 <= n <= k)
+    draft_probs: torch.Tensor | None,  # [batch, k, vocab] or None for deterministic drafts
+    sampling: SamplingTensors,
+) -> list[list[int]]:  # per row: accepted drafts followed by one recovered or bonus token
+    batch, k_plus_1, _ = target_logits.shape
+    k = k_plus_1 - 1
+    greedy = (sampling.temperature == 0).tolist()
+    emitted: list[list[int]] = [[] for _ in range(batch)]
+
+    greedy_rows = [b for b in range(batch) if greedy[b]]
+    if greedy_rows:
+        idx = torch.tensor(greedy_rows, dtype=torch.long, device=target_logits.device)
+        argmax = target_logits[idx].argmax(-1)  # [g, k + 1]
+        limit = torch.tensor([num_drafts[b] for b in greedy_rows], device=argmax.device)
+        match = (draft_tokens[idx] == argmax[:, :k]) & (torch.arange(k, device=argmax.device)[None, :] < limit[:, None])
+        accepted = match.long().cumprod(-1).sum(-1)  # [g]
+        for b, row, n in zip(greedy_rows, argmax.tolist(), accepted.tolist()):
+            emitted[b] = row[: n + 1]
+
+    sampled_rows = [b for b in range(batch) if not greedy[b]]
+    if sampled_rows:
+        idx = torch.tensor(sampled_rows, dtype=torch.long, device=target_logits.device)
+        p_all = processed_probs(
+            target_logits[idx], sampling.temperature[idx], sampling.top_k[idx], sampling.top_p[idx]
+        )  # [s, k + 1, vocab]
+        for j, b in enumerate(sampled_rows):
+            q = None if draft_probs is None else draft_probs[b]
+            emitted[b] = _verify_row(p_all[j], draft_tokens[b].tolist(), num_drafts[b], q, sampling.generators[b])
+    return emitted
+
+
+def _verify_row(
+    p: torch.Tensor,  # [k + 1, vocab] target probabilities
+    drafts: list[int],  # [k]
+    n: int,
+    q: torch.Tensor | None,  # [k, vocab] draft probabilities, or None for one-hot drafts
+    generator: torch.Generator,
+) -> list[int]:
+    out = []
+    u = torch.rand(n, generator=generator, device=p.device).tolist() if n else []
+    for i in range(n):
+        x = drafts[i]
+        px = float(p[i, x])
+        qx = 1.0 if q is None else float(q[i, x])
+        if u[i] * qx < px:  # u < p/q without dividing
+            out.append(x)
+            continue
+        if q is None:
+            residual = p[i].clone()
+            residual[x] = 0.0
+        else:
+            residual = (p[i] - q[i]).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: any sample from p is exact
+            residual = p[i]
+        out.append(sample_from(residual, generator))
+        return out
+    out.append(sample_from(p[n], generator))
+    return out

@@ -1,0 +1,63 @@
+"""Speculation counters: drafts, acceptance per position, and which K ran at which batch size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SpecStats:
+    num_drafts: int = 0  # decode request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [max K seen] accepted at position i+1
+    drafted_per_pos: list[int] = field(default_factory=list)  # [max K seen] drafted at position i+1
+    steps_by_batch_size: dict[int, dict[int, int]] = field(default_factory=dict)  # bs -> K -> steps
+
+    def observe(self, num_decodes: int, k: int, num_drafts: list[int], num_emitted: list[int]) -> None:
+        """One step: K chosen for ``num_decodes`` decodes; per decode, drafts verified and tokens emitted."""
+        if num_decodes:
+            per_k = self.steps_by_batch_size.setdefault(num_decodes, {})
+            per_k[k] = per_k.get(k, 0) + 1
+        for n, emitted in zip(num_drafts, num_emitted):
+            if n == 0:
+                continue
+            accepted = emitted - 1
+            self.num_drafts += 1
+            self.num_draft_tokens += n
+            self.num_accepted_tokens += accepted
+            if len(self.drafted_per_pos) < n:
+                grow = n - len(self.drafted_per_pos)
+                self.drafted_per_pos += [0] * grow
+                self.accepted_per_pos += [0] * grow
+            for i in range(n):
+                self.drafted_per_pos[i] += 1
+                self.accepted_per_pos[i] += i < accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens emitted per drafting request-step (1 + accepted drafts)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        """Unconditional α_i: accepted at position i over drafts that reached position i."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_length": round(self.acceptance_length, 4),
+            "acceptance_rate_per_pos": [round(a, 4) for a in self.acceptance_rate_per_pos],
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "steps_by_batch_size": {
+                str(bs): {str(k): n for k, n in sorted(ks.items())} for bs, ks in sorted(self.steps_by_batch_size.items())
+            },
+        }

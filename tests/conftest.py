@@ -1,0 +1,22 @@
+import functools
+
+import pytest
+
+from tiny import cached_tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """Build (once per session) a tiny random-weight HF model directory: tiny_dir(arch=..., seed=...)."""
+    return functools.partial(cached_tiny_model_dir, tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def target_dir(tiny_dir):
+    return tiny_dir(arch="qwen2", seed=0, num_layers=2)
+
+
+@pytest.fixture(scope="session")
+def draft_dir(tiny_dir):
+    """A different, smaller model sharing the target's tokenizer: partial acceptance."""
+    return tiny_dir(arch="qwen2", seed=1, num_layers=1)

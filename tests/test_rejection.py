@@ -1,0 +1,100 @@
+"""The rejection sampler preserves the target distribution (chi-square on a tiny vocabulary)."""
+
+import numpy as np
+import pytest
+import torch
+
+from dynaspec.engine.sampler import SamplingTensors, processed_probs
+from dynaspec.spec.ngram import ngram_lookup
+from dynaspec.spec.rejection import rejection_sample
+
+V, K, N = 6, 2, 12000
+# chi-square critical value for 5 degrees of freedom at p = 0.001
+CHI2_CRIT = 20.52
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token of probability zero"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def _run(target_logits, draft_probs, draft_tokens, temperature=1.0, top_k=0, top_p=1.0):
+    sampling = SamplingTensors(
+        temperature=torch.full((N,), temperature), top_k=torch.full((N,), top_k, dtype=torch.long),
+        top_p=torch.full((N,), top_p), generators=[torch.Generator().manual_seed(i) for i in range(N)], all_greedy=False,
+    )
+    logits = target_logits.expand(N, K + 1, V)
+    out = rejection_sample(logits, draft_tokens, [K] * N, draft_probs, sampling)
+    p = processed_probs(target_logits, sampling.temperature[:1], sampling.top_k[:1], sampling.top_p[:1])[0]
+    return out, p.numpy()
+
+
+def _draws(q: torch.Tensor, gen: torch.Generator) -> torch.Tensor:  # q: [K, V] -> [N, K]
+    return torch.stack([torch.multinomial(q[i], N, replacement=True, generator=gen) for i in range(K)], dim=1)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 1.0), (0, 0.8)])
+def test_draft_model_rejection_preserves_target_distribution(top_k, top_p):
+    gen = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(1, K + 1, V, generator=gen) * 1.5
+    draft_logits = torch.randn(1, K, V, generator=gen) * 1.5
+    q = processed_probs(draft_logits, torch.ones(1), torch.tensor([top_k]), torch.tensor([top_p]))[0]  # [K, V]
+    drafts = _draws(q, gen)
+    out, p = _run(target_logits, q.expand(N, K, V), drafts, top_k=top_k, top_p=top_p)
+    first = np.bincount([o[0] for o in out], minlength=V)
+    assert _chi2(first, p[0]) < CHI2_CRIT
+    # the second token, among rows that accepted the first draft, follows p[1]
+    second = np.bincount([o[1] for o, d in zip(out, drafts.tolist()) if len(o) > 1 and o[0] == d[0]], minlength=V)
+    assert second.sum() > 1000
+    assert _chi2(second, p[1]) < CHI2_CRIT
+
+
+def test_deterministic_drafts_rejection_preserves_target_distribution():
+    gen = torch.Generator().manual_seed(1)
+    target_logits = torch.randn(1, K + 1, V, generator=gen) * 1.5
+    drafts = torch.tensor([[2, 3]]).expand(N, K)  # n-gram style: q is one-hot
+    out, p = _run(target_logits, None, drafts)
+    assert _chi2(np.bincount([o[0] for o in out], minlength=V), p[0]) < CHI2_CRIT
+
+
+def test_a_wrong_acceptance_rule_would_be_caught():
+    """The same statistic rejects a sampler that accepts drafts blindly (so the test has power)."""
+    gen = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(1, K + 1, V, generator=gen) * 1.5
+    draft_logits = torch.randn(1, K, V, generator=gen) * 1.5
+    q = processed_probs(draft_logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))[0]
+    drafts = _draws(q, gen)
+    p = processed_probs(target_logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))[0].numpy()
+    blind = np.bincount(drafts[:, 0].numpy(), minlength=V)
+    assert _chi2(blind, p[0]) > CHI2_CRIT
+
+
+def test_greedy_rows_accept_while_equal_to_argmax():
+    logits = torch.full((2, 4, 5), -5.0)
+    for b, best in enumerate([[1, 2, 3, 4], [0, 0, 0, 0]]):
+        for i, t in enumerate(best):
+            logits[b, i, t] = 5.0
+    drafts = torch.tensor([[1, 2, 0], [0, 0, 0]])
+    sampling = SamplingTensors(torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2),
+                               [torch.Generator(), torch.Generator()], True)
+    out = rejection_sample(logits, drafts, [3, 1], None, sampling)
+    assert out == [[1, 2, 3], [0, 0]]
+
+
+def test_processed_probs_top_k_top_p():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
+    p = processed_probs(logits, torch.ones(1), torch.tensor([2]), torch.ones(1))[0, 0]
+    torch.testing.assert_close(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = processed_probs(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.tensor([0.85]))[0, 0]
+    torch.testing.assert_close(p, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    g = processed_probs(logits, torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.ones(1))[0, 0]
+    assert g.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_ngram_lookup_prefers_longest_latest_match():
+    toks = np.array([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
+    assert ngram_lookup(toks, 1, 3, 3) == [9, 2, 6]  # "6 7" last seen before 9
+    assert ngram_lookup(np.array([1, 2, 3]), 1, 3, 2) == []
+    assert ngram_lookup(np.array([4, 2, 4]), 1, 2, 5) == [2, 4]

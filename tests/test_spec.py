@@ -1,0 +1,89 @@
+"""Speculative decoding is lossless: greedy output equals plain greedy output token for token."""
+
+import pytest
+
+from dynaspec import SamplingParams
+from test_engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggered
+
+
+@pytest.fixture(scope="module")
+def plain(target_dir):
+    return run_alone(target_dir, PROMPTS)
+
+
+def spec_engine(target_dir, spec, **kw):
+    return make_engine(target_dir, speculative_config=spec, **kw)
+
+
+@pytest.mark.parametrize("k", range(1, 8))
+def test_draft_model_greedy_equals_plain(target_dir, draft_dir, plain, k):
+    engine = spec_engine(target_dir, {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k})
+    assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
+    stats = engine.stats()["spec"]
+    assert stats["num_draft_tokens"] > 0
+    assert engine.allocator.usage == 0.0
+
+
+@pytest.mark.parametrize("k", range(1, 8))
+def test_ngram_greedy_equals_plain(target_dir, plain, k):
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    engine = spec_engine(target_dir, spec)
+    assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
+    assert engine.stats()["spec"]["num_draft_tokens"] > 0
+
+
+def test_per_batch_size_table_equals_plain_and_k_follows_batch_size(target_dir, draft_dir, plain):
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 5,
+            "num_speculative_tokens_per_batch_size": [[1, 1, 5], [2, 3, 2], [4, 8, 0]], "hysteresis_steps": 1}
+    engine = spec_engine(target_dir, spec)
+    assert run_staggered(engine, PROMPTS, arrive_every=1) == plain
+    steps = engine.stats()["spec"]["steps_by_batch_size"]
+    assert set(steps.get("1", {})) <= {"5"} and set(steps.get("2", {})) <= {"2"}
+    assert set(steps.get("4", {})) | set(steps.get("5", {})) <= {"0"}
+    assert "5" in steps["1"] and "0" in steps["5"]
+
+
+def test_draft_equal_to_target_accepts_almost_everything(target_dir):
+    k = 4
+    engine = spec_engine(target_dir, {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": k})
+    run_staggered(engine, PROMPTS, arrive_every=1)
+    stats = engine.stats()["spec"]
+    assert stats["acceptance_length"] >= 0.97 * (k + 1) * 0.9  # the last step of each request drafts fewer
+    assert stats["acceptance_rate"] >= 0.97
+
+
+def test_k0_runs_no_drafter(target_dir, draft_dir, plain):
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3,
+            "num_speculative_tokens_per_batch_size": [[1, 256, 0]]}
+    engine = spec_engine(target_dir, spec)
+    calls = []
+    original = engine.proposer.runner.run
+    engine.proposer.runner.run = lambda runs: calls.append(len(runs)) or original(runs)
+    assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
+    assert calls == []
+    assert engine.stats()["spec"]["num_draft_tokens"] == 0
+
+
+def test_sampled_speculation_is_reproducible_with_seed(target_dir, draft_dir):
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        engine = spec_engine(target_dir, spec)
+        outs.append(run_staggered(engine, PROMPTS[:3], params))
+    assert outs[0] == outs[1]
+
+
+def test_draft_with_another_tokenizer_is_refused(target_dir, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(target_dir, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="speculative_config.model: .*different tokenizer"):
+        spec_engine(target_dir, {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2})
