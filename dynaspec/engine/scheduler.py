@@ -25,11 +25,10 @@ class KChooser(Protocol):
 class PrefillChunk:
     request: Request
     num_tokens: int  # prompt tokens computed this step
+    completes: bool = False  # reaches the last token, so the step samples the next token
 
-    @property
-    def completes(self) -> bool:
-        """This chunk reaches the last token, so the step samples the request's next token."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.completes = self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
 
 
 @dataclass(slots=True)
