@@ -48,4 +48,4 @@ class ModelRunner:
             self.kv_caches,
             meta,
         )
-        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        return self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device)))
