@@ -106,6 +106,7 @@ def _edit_config(path: Path, **changes) -> None:
         ("truncated_weights", "model.safetensors: corrupt safetensors file"),
         ("garbage_weights", "model.safetensors: corrupt safetensors file"),
         ("no_tokenizer", "no tokenizer"),
+        ("bad_tokenizer", "cannot load tokenizer"),
     ],
 )
 def test_broken_hf_dir_errors(tiny_dirs, tmp_path, breakage, message):
@@ -127,6 +128,8 @@ def test_broken_hf_dir_errors(tiny_dirs, tmp_path, breakage, message):
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     elif breakage == "garbage_weights":
         weights.write_bytes(os.urandom(1000))
+    elif breakage == "bad_tokenizer":
+        (path / "tokenizer.json").write_text("{broken")
     elif breakage == "no_tokenizer":
         for f in path.glob("tokenizer*"):
             f.unlink()

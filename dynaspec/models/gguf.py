@@ -95,7 +95,10 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return metadata
 
 
-def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_qk(
+    weight: np.ndarray,  # [num_heads * head_dim, hidden] or [num_heads * head_dim]
+    num_heads: int,
+) -> np.ndarray:  # same shape
     """Undo llama.cpp's Q/K row permutation.
 
     llama.cpp writes `w.reshape(h, 2, d // 2, ...).swapaxes(1, 2)` for each head's d rows; this is
@@ -107,14 +110,7 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
-def permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's Q/K row permutation (its converter applies this to `llama` models)."""
-    head_dim = weight.shape[0] // num_heads
-    w = weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:])
-    return w.swapaxes(1, 2).reshape(weight.shape)
-
-
-def dequantize_tensor(tensor: Any) -> np.ndarray:
+def dequantize_tensor(tensor: Any) -> np.ndarray:  # float32, [rows, cols] or [n]
     """A GGUF tensor as float32, in PyTorch's shape order (GGUF lists dims innermost first)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize

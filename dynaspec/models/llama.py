@@ -188,6 +188,17 @@ class LlamaModel(nn.Module):
         model.load_weights(weights)
         return model.eval()
 
+    def truncate_lm_head(self, vocab_size: int) -> None:
+        """Keep only the first ``vocab_size`` output rows (a drafter's cheap head).
+
+        Byte-level BPE ids roughly follow merge order, so the low ids are the frequent tokens.
+        """
+        if not 0 < vocab_size <= self.config.vocab_size:
+            raise ValueError(f"draft_vocab_size: must be in [1, {self.config.vocab_size}], got {vocab_size}")
+        head = nn.Linear(self.config.hidden_size, vocab_size, bias=False)
+        head.weight = nn.Parameter(self.lm_head.weight.detach()[:vocab_size].clone())
+        self.lm_head = head
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, converting to this model's dtype; strict."""
         params = dict(self.named_parameters(remove_duplicate=False))
