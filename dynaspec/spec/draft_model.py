@@ -10,6 +10,7 @@ stays valid and the rest is simply overwritten later.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dynaspec.engine.kv_cache import kv_bytes_per_token
 from dynaspec.engine.runner import ModelRunner, TokenRun
@@ -17,6 +18,7 @@ from dynaspec.engine.sampler import SamplingTensors, processed_probs
 from dynaspec.engine.scheduler import SchedulePlan, StepResult
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_hf_dir, load_tokenizer, resolve_model
+from dynaspec.models.quant import quantize_int8_
 from dynaspec.spec.proposer import Drafts, ProposerContext, register_proposer
 
 
@@ -32,6 +34,11 @@ class DraftModelProposer:
         config, weights, _ = load_hf_dir(path)
         self.model = LlamaModel.from_weights(config, weights, ctx.dtype, ctx.device)
         del weights
+        self.vocab_size = config.vocab_size  # the verifier's q needs the full vocabulary
+        if spec_config.draft_vocab_size is not None:
+            self.model.truncate_lm_head(spec_config.draft_vocab_size)
+        if spec_config.draft_quantization == "int8":
+            quantize_int8_(self.model)
         self.ctx = ctx
         self.runner: ModelRunner | None = None
         self.num_computed: dict[str, int] = {}  # request id -> tokens whose draft K/V is valid
@@ -51,7 +58,7 @@ class DraftModelProposer:
         want_probs = not sampling.all_greedy
         probs = None
         if want_probs:
-            probs = torch.zeros(plan.num_decodes, k, self.model.config.vocab_size, device=self.ctx.device)
+            probs = torch.zeros(plan.num_decodes, k, self.vocab_size, device=self.ctx.device)
         runs = []
         for i in active:
             r = plan.decodes[i]
@@ -68,7 +75,8 @@ class DraftModelProposer:
             idx = torch.tensor(active, dtype=torch.long, device=self.ctx.device)
             if want_probs:
                 q = processed_probs(logits, sampling.temperature[idx], sampling.top_k[idx], sampling.top_p[idx])[:, 0]
-                probs[idx, j] = q
+                q = F.pad(q, (0, self.vocab_size - q.shape[-1]))  # a pruned head never proposes the rest
+                probs[:, j].index_copy_(0, idx, q)
                 for row, i in enumerate(active):
                     if sampling.temperature[i] > 0:
                         tokens[i, j] = torch.multinomial(q[row], 1, generator=sampling.generators[i])[0]

@@ -1,0 +1,111 @@
+"""`dynaspec profile`: measure acceptance and ITL(bs, K), write the profile file, plot goodput."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from dynaspec.cli.common import add_engine_args, engine_kwargs
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="profile acceptance and step time to drive the goodput K policy")
+    add_engine_args(p)
+    p.add_argument("--dataset", default="mtbench", help="mtbench, humaneval, or a prompt file")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes to time")
+    p.add_argument("--max-k", type=int, default=None, help="largest K to profile (default: num_speculative_tokens)")
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts used to measure acceptance")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens generated per acceptance prompt")
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--measured-steps", type=int, default=5, help="steps timed per (bs, K); the median is kept")
+    p.add_argument("--output", required=True, help="profile JSON to write")
+    p.add_argument("--plot", default=None, help="PNG of goodput per K against batch size")
+    p.set_defaults(func=run)
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--batch-sizes: expected comma-separated integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError("--batch-sizes: need at least one batch size >= 1")
+    return sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    from dynaspec.bench.datasets import load_prompts
+    from dynaspec.engine.engine import Engine, EngineConfig
+    from dynaspec.spec.config import SpeculativeConfig
+    from dynaspec.spec.profile import save_profile
+    from dynaspec.spec.profiler import ProfileSettings, run_profile
+
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is None:
+        raise ValueError("--speculative-config: profiling needs a speculative config (method, model, ...)")
+    sizes = _batch_sizes(args.batch_sizes)
+    max_k = args.max_k if args.max_k is not None else spec.num_speculative_tokens
+    if not max_k or max_k < 1:
+        raise ValueError("--max-k: must be >= 1")
+    prompts = load_prompts(args.dataset, chat=True)
+    kwargs = engine_kwargs(args)
+    kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], sizes[-1], args.num_prompts)
+    kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], sizes[-1] * (max_k + 1))
+    engine = Engine(EngineConfig(model=args.model, **kwargs))
+    settings = ProfileSettings(
+        batch_sizes=sizes, max_k=max_k, num_acceptance_prompts=args.num_prompts,
+        acceptance_max_tokens=args.max_tokens, warmup_steps=args.warmup_steps, measured_steps=args.measured_steps,
+    )
+    meta = {"model": args.model, "speculative_config": json.loads(json.dumps(spec.to_dict())),
+            "dataset": args.dataset, "dtype": str(engine.config.torch_dtype).replace("torch.", "")}
+    profile = run_profile(engine, prompts, settings, meta)
+    save_profile(profile, args.output)
+    print(f"profile written to {args.output}")
+    print("acceptance per position: " + " ".join(f"{a:.2f}" for a in profile.acceptance_rate_per_pos))
+    print("ITL ms by batch size (columns K = 0..%d):" % max_k)
+    for bs, row in profile.batch_stats.items():
+        print(f"  bs {bs:>3}: " + " ".join(f"{row[k]:8.1f}" for k in sorted(row)))
+    print("num_speculative_tokens_per_batch_size:", json.dumps(profile.num_speculative_tokens_per_batch_size))
+    if args.plot:
+        plot_goodput(profile, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def plot_goodput(profile, path: str) -> None:
+    """Goodput (AL/ITL, tokens/s per request) for each K against batch size, and the chosen K."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(profile.batch_stats)
+    alpha = profile.acceptance_rate_per_pos
+    fig, (ax, ax_k) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, height_ratios=[3, 1])
+    best = []
+    for k in range(profile.max_num_speculative_tokens + 1):
+        al = 1 + sum(alpha[:k])
+        xs, ys = [], []
+        for bs in sizes:
+            itl = profile.batch_stats[bs].get(k)
+            if itl:
+                xs.append(bs)
+                ys.append(al / itl * 1000)
+        ax.plot(xs, ys, marker="o", label=f"K={k} (AL {al:.2f})")
+    for bs in sizes:
+        row = profile.batch_stats[bs]
+        scores = {k: (1 + sum(alpha[:k])) / t for k, t in row.items() if t}
+        best.append(max(scores, key=lambda k: (scores[k], -k)) if scores else 0)
+    ax.set_xscale("log", base=2)
+    ax.set_ylabel("goodput per request (tokens/s)")
+    ax.set_title(f"goodput = AL(K) / ITL(bs, K): {profile.meta.get('model', '')}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax_k.step(sizes, best, where="mid", color="black")
+    ax_k.plot(sizes, best, "ko")
+    ax_k.set_ylabel("chosen K")
+    ax_k.set_xlabel("decoding requests (batch size)")
+    ax_k.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

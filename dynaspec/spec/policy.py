@@ -1,0 +1,177 @@
+"""K policies: the scheduler asks one for K once per step, and tells it what was accepted.
+
+- ``FixedK``: always ``num_speculative_tokens``.
+- ``TableK``: the per-batch-size table (``num_speculative_tokens_per_batch_size``).
+- ``GoodputK``: K* = argmax_K AL(K) / ITL(bs, K) from a profile, with acceptance that follows
+  live traffic.
+
+Table and goodput policies switch K only after the new choice has won ``hysteresis_steps``
+consecutive steps (the first choice is immediate), so K does not flip at a batch-size boundary.
+Everything here is plain Python with every division guarded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol, Sequence
+
+from dynaspec.spec.config import SpeculativeConfig, table_lookup
+from dynaspec.spec.profile import Profile, best_k, load_profile
+
+log = logging.getLogger(__name__)
+
+
+class KPolicy(Protocol):
+    def choose(self, num_decode_requests: int) -> int: ...
+    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None: ...
+    def snapshot(self) -> dict: ...
+
+
+class Hysteresis:
+    """Holds the current K; a different candidate takes over after ``steps`` consecutive wins."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.current: int | None = None
+        self._candidate: int | None = None
+        self._wins = 0
+
+    def update(self, candidate: int) -> int:
+        if self.current is None or candidate == self.current:
+            self.current = candidate
+            self._candidate, self._wins = None, 0
+            return candidate
+        if candidate == self._candidate:
+            self._wins += 1
+        else:
+            self._candidate, self._wins = candidate, 1
+        if self._wins >= self.steps:
+            self.current = candidate
+            self._candidate, self._wins = None, 0
+        return self.current
+
+
+class FixedK:
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def choose(self, num_decode_requests: int) -> int:
+        return self.k if num_decode_requests else 0
+
+    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
+        pass
+
+    def snapshot(self) -> dict:
+        return {"policy": "fixed", "k": self.k}
+
+
+class TableK:
+    def __init__(self, table: Sequence[Sequence[int]], max_k: int, hysteresis_steps: int = 3) -> None:
+        self.table = tuple(tuple(r) for r in table)
+        self.max_k = max_k
+        self.hysteresis = Hysteresis(hysteresis_steps)
+        self.k_by_batch_size: dict[int, int] = {}
+
+    def choose(self, num_decode_requests: int) -> int:
+        if num_decode_requests == 0:
+            return 0
+        wanted = min(table_lookup(self.table, num_decode_requests), self.max_k)
+        k = self.hysteresis.update(wanted)
+        _log_change(self.k_by_batch_size, num_decode_requests, k, "table")
+        return k
+
+    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
+        pass
+
+    def snapshot(self) -> dict:
+        return {"policy": "table", "k": self.hysteresis.current, "k_by_batch_size": dict(sorted(self.k_by_batch_size.items()))}
+
+
+class AcceptanceEstimate:
+    """α_i from the profile (a prior), moving to live traffic.
+
+    Update rule: per position i, decayed counts d_i (drafts that reached i) and a_i (accepted at
+    i) are multiplied by ``decay`` each step before the step's counts are added, so traffic older
+    than ~1/(1-decay) steps fades. The estimate blends in the prior as ``prior_weight``
+    pseudo-drafts: α_i = (a_i + w·prior_i) / (d_i + w). Positions beyond the last one with live
+    data keep the prior's shape, scaled: α_j = α_m · prior_j / prior_m. The result is made
+    non-increasing in i (accepting i needs 1..i-1 accepted).
+    """
+
+    def __init__(self, prior: Sequence[float], max_k: int, decay: float = 0.98, prior_weight: float = 16.0) -> None:
+        self.prior = [float(prior[i]) if i < len(prior) else 0.0 for i in range(max_k)]
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self.drafted = [0.0] * max_k
+        self.accepted = [0.0] * max_k
+
+    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
+        self.drafted = [d * self.decay for d in self.drafted]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for n, acc in zip(num_drafts, num_accepted):
+            for i in range(min(n, len(self.drafted))):
+                self.drafted[i] += 1
+                self.accepted[i] += i < acc
+
+    def rates(self) -> list[float]:
+        w = self.prior_weight
+        out: list[float] = []
+        last = -1  # last position with live data
+        for i, (p, d, a) in enumerate(zip(self.prior, self.drafted, self.accepted)):
+            if d >= 1.0:
+                last = i
+            out.append((a + w * p) / (d + w) if d + w > 0 else p)
+        if last >= 0:
+            for j in range(last + 1, len(out)):
+                base = self.prior[last]
+                out[j] = out[last] * self.prior[j] / base if base > 0 else 0.0
+        for i in range(1, len(out)):
+            out[i] = min(out[i], out[i - 1])
+        return [min(1.0, max(0.0, a)) for a in out]
+
+
+class GoodputK:
+    def __init__(self, profile: Profile, max_k: int, hysteresis_steps: int = 3, **estimate_kwargs) -> None:
+        self.profile = profile
+        self.max_k = max(0, min(max_k, profile.max_num_speculative_tokens))
+        self.acceptance = AcceptanceEstimate(profile.acceptance_rate_per_pos, self.max_k, **estimate_kwargs)
+        self.hysteresis = Hysteresis(hysteresis_steps)
+        self.k_by_batch_size: dict[int, int] = {}
+
+    def choose(self, num_decode_requests: int) -> int:
+        if num_decode_requests == 0:
+            return 0
+        wanted = best_k(self.acceptance.rates(), self.profile.batch_stats, num_decode_requests, self.max_k)
+        k = self.hysteresis.update(wanted)
+        if _log_change(self.k_by_batch_size, num_decode_requests, k, "goodput"):
+            log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in self.acceptance.rates()))
+        return k
+
+    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
+        self.acceptance.observe(num_drafts, num_accepted)
+
+    def snapshot(self) -> dict:
+        return {
+            "policy": "goodput",
+            "k": self.hysteresis.current,
+            "k_by_batch_size": dict(sorted(self.k_by_batch_size.items())),
+            "acceptance_rate_per_pos": [round(a, 4) for a in self.acceptance.rates()],
+        }
+
+
+def _log_change(k_by_batch_size: dict[int, int], batch_size: int, k: int, name: str) -> bool:
+    if k_by_batch_size.get(batch_size) == k:
+        return False
+    k_by_batch_size[batch_size] = k
+    log.info("%s policy: K=%d at batch size %d", name, k, batch_size)
+    return True
+
+
+def make_policy(config: SpeculativeConfig, profile: Profile | None = None) -> KPolicy:
+    if config.dynamic_config_path is not None or profile is not None:
+        profile = profile or load_profile(config.dynamic_config_path)
+        max_k = config.num_speculative_tokens or profile.max_num_speculative_tokens
+        return GoodputK(profile, max_k, config.hysteresis_steps)
+    if config.num_speculative_tokens_per_batch_size is not None:
+        return TableK(config.num_speculative_tokens_per_batch_size, config.num_speculative_tokens, config.hysteresis_steps)
+    return FixedK(config.num_speculative_tokens)

@@ -1,0 +1,128 @@
+"""The profile file written by `dynaspec profile` and read by the goodput policy.
+
+```json
+{"max_num_speculative_tokens": 5,
+ "acceptance_rate_per_pos": [0.82, 0.66, 0.53, 0.42, 0.33],
+ "batch_stats": {"1": {"0": 205.1, "1": 260.3, ...}, "2": {...}},
+ "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 8, 2], [9, 32, 0]],
+ "meta": {"model": ..., "cpu": ..., "torch": ..., "date": ...}}
+```
+``batch_stats`` holds ITL(bs, K), the median engine step time in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(slots=True)
+class Profile:
+    max_num_speculative_tokens: int
+    acceptance_rate_per_pos: list[float]  # [max K] unconditional α_i
+    batch_stats: dict[int, dict[int, float]]  # bs -> K -> ITL ms
+    num_speculative_tokens_per_batch_size: list[list[int]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_num_speculative_tokens": self.max_num_speculative_tokens,
+            "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
+            "batch_stats": {str(bs): {str(k): t for k, t in sorted(row.items())} for bs, row in sorted(self.batch_stats.items())},
+            "num_speculative_tokens_per_batch_size": self.num_speculative_tokens_per_batch_size,
+            "meta": self.meta,
+        }
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile.to_json(), indent=2) + "\n")
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate; a malformed file raises ValueError naming the file and the field."""
+    path = Path(path)
+
+    def bad(field_name: str, message: str) -> ValueError:
+        return ValueError(f"profile {path}: {field_name}: {message}")
+
+    if not path.is_file():
+        raise ValueError(f"profile {path}: file not found")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"profile {path}: invalid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise bad("(top level)", "must be a JSON object")
+    max_k = d.get("max_num_speculative_tokens")
+    if not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < 0:
+        raise bad("max_num_speculative_tokens", f"must be an integer >= 0, got {max_k!r}")
+    alpha = d.get("acceptance_rate_per_pos", [])
+    if not isinstance(alpha, list) or not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in alpha):
+        raise bad("acceptance_rate_per_pos", "must be a list of numbers in [0, 1]")
+    raw_stats = d.get("batch_stats", {})
+    if not isinstance(raw_stats, dict):
+        raise bad("batch_stats", "must be an object {batch_size: {K: itl_ms}}")
+    batch_stats: dict[int, dict[int, float]] = {}
+    for bs, row in raw_stats.items():
+        try:
+            bs_int = int(bs)
+            if bs_int < 1 or not isinstance(row, dict):
+                raise ValueError
+            batch_stats[bs_int] = {int(k): float(t) for k, t in row.items()}
+        except (TypeError, ValueError):
+            raise bad("batch_stats", f"entry {bs!r} must map a batch size >= 1 to {{K: itl_ms}}") from None
+        if any(k < 0 or t < 0 for k, t in batch_stats[bs_int].items()):
+            raise bad("batch_stats", f"entry {bs!r} has a negative K or time")
+    table = d.get("num_speculative_tokens_per_batch_size", [])
+    if not isinstance(table, list):
+        raise bad("num_speculative_tokens_per_batch_size", "must be a list of [lo, hi, K]")
+    meta = d.get("meta", {})
+    return Profile(max_k, [float(a) for a in alpha], batch_stats, table, meta if isinstance(meta, dict) else {})
+
+
+def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k: int) -> float | None:
+    """ITL(bs, K) in ms, linear between profiled batch sizes and clamped outside; None if unknown.
+
+    Zero or negative times are treated as unknown.
+    """
+    points = sorted((bs, row[k]) for bs, row in batch_stats.items() if row.get(k, 0) > 0)
+    if not points:
+        return None
+    if batch_size <= points[0][0]:
+        return points[0][1]
+    if batch_size >= points[-1][0]:
+        return points[-1][1]
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if b0 <= batch_size <= b1:
+            return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
+    return points[-1][1]
+
+
+def best_k(alpha: list[float], batch_stats: dict[int, dict[int, float]], batch_size: int, max_k: int) -> int:
+    """argmax_K AL(K) / ITL(bs, K); ties go to the smaller K; 0 when nothing is known."""
+    best, best_score = 0, None
+    for k in range(max_k + 1):
+        itl = interpolate_itl(batch_stats, batch_size, k)
+        if itl is None:
+            continue
+        score = (1.0 + sum(alpha[:k])) / itl
+        if best_score is None or score > best_score * (1 + 1e-9):
+            best, best_score = k, score
+    return best
+
+
+def derive_table(alpha: list[float], batch_stats: dict[int, dict[int, float]], max_k: int) -> list[list[int]]:
+    """`num_speculative_tokens_per_batch_size` ranges from goodput, for 1..the largest profiled bs."""
+    if not batch_stats:
+        return [[1, 1, 0]]
+    top = max(batch_stats)
+    table: list[list[int]] = []
+    for bs in range(1, top + 1):
+        k = best_k(alpha, batch_stats, bs, max_k)
+        if table and table[-1][2] == k:
+            table[-1][1] = bs
+        else:
+            table.append([bs, bs, k])
+    return table
