@@ -1,0 +1,122 @@
+"""K policies and the profile file: pure functions, no model."""
+
+import json
+
+import pytest
+
+from dynaspec.spec.config import SpeculativeConfig, table_lookup
+from dynaspec.spec.policy import AcceptanceEstimate, FixedK, GoodputK, Hysteresis, TableK, make_policy
+from dynaspec.spec.profile import Profile, best_k, derive_table, interpolate_itl, load_profile, save_profile
+
+# verification is cheap at small batch sizes and expensive at large ones, as on a real machine
+STATS = {
+    1: {0: 100.0, 1: 104.0, 2: 108.0, 3: 112.0, 4: 118.0},
+    8: {0: 120.0, 1: 150.0, 2: 185.0, 3: 220.0, 4: 260.0},
+    32: {0: 200.0, 1: 400.0, 2: 560.0, 3: 700.0, 4: 850.0},
+}
+ALPHA = [0.8, 0.65, 0.5, 0.4]
+
+
+def profile(alpha=ALPHA, stats=STATS, max_k=4) -> Profile:
+    return Profile(max_k, list(alpha), {bs: dict(row) for bs, row in stats.items()})
+
+
+def test_itl_interpolates_between_and_clamps_outside():
+    assert interpolate_itl(STATS, 1, 2) == 108.0
+    assert interpolate_itl(STATS, 4, 0) == pytest.approx(100 + 20 * 3 / 7)
+    assert interpolate_itl(STATS, 20, 4) == pytest.approx(260 + 590 * 12 / 24)
+    assert interpolate_itl(STATS, 1000, 1) == 400.0  # clamped above
+    assert interpolate_itl({2: {0: 50.0}}, 1, 0) == 50.0  # clamped below
+    assert interpolate_itl(STATS, 4, 9) is None  # K never profiled
+
+
+def test_big_k_when_verification_is_cheap_and_k0_when_expensive():
+    assert best_k(ALPHA, STATS, 1, 4) == 4
+    assert best_k(ALPHA, STATS, 32, 4) == 0
+    assert 0 < best_k(ALPHA, STATS, 8, 4) < 4
+
+
+def test_no_crash_on_empty_or_zero_data():
+    assert best_k([], {}, 4, 5) == 0
+    assert best_k(ALPHA, {1: {0: 0.0, 1: 0.0}}, 1, 4) == 0
+    assert derive_table(ALPHA, {}, 4) == [[1, 1, 0]]
+    policy = GoodputK(Profile(3, [], {}), 3)
+    policy.observe([], [])
+    policy.observe([3, 0], [0, 0])
+    assert policy.choose(0) == 0 and policy.choose(5) == 0
+    assert policy.snapshot()["policy"] == "goodput"
+    assert AcceptanceEstimate([], 0).rates() == []
+
+
+def test_goodput_k_moves_with_live_acceptance():
+    policy = GoodputK(profile(), 4, hysteresis_steps=1)
+    assert policy.choose(8) == best_k(ALPHA, STATS, 8, 4)
+    start = policy.choose(8)
+    for _ in range(200):  # the drafter turns useless: nothing accepted
+        policy.observe([start or 1] * 8, [0] * 8)
+    assert policy.choose(8) == 0
+    assert policy.choose(1) <= 1
+    for _ in range(400):  # now everything drafted at K=1 is accepted: positions above follow
+        policy.observe([1] * 8, [1] * 8)
+    rates = policy.acceptance.rates()
+    assert rates[0] > 0.95 and rates[1] > 0.6
+    assert policy.choose(1) == 4
+
+
+def test_acceptance_estimate_keeps_prior_shape_above_observed_positions():
+    est = AcceptanceEstimate([0.8, 0.4, 0.2], 3, prior_weight=0.0)
+    est.observe([1] * 10, [0] * 5 + [1] * 5)
+    rates = est.rates()
+    assert rates[0] == pytest.approx(0.5)
+    assert rates[1] == pytest.approx(0.25) and rates[2] == pytest.approx(0.125)
+
+
+def test_hysteresis_holds_k_across_a_boundary_flip():
+    h = Hysteresis(3)
+    assert h.update(4) == 4
+    assert [h.update(k) for k in (2, 4, 2, 2)] == [4, 4, 4, 4]
+    assert h.update(2) == 2
+
+
+def test_table_semantics_gap_above_and_clamp():
+    table = ((1, 4, 5), (8, 16, 2), (17, 64, 0))
+    assert [table_lookup(table, bs) for bs in (1, 4, 5, 7, 8, 16, 17, 500)] == [5, 5, 5, 5, 2, 2, 0, 0]
+    policy = TableK(table, max_k=3, hysteresis_steps=1)
+    assert policy.choose(1) == 3  # clamped to num_speculative_tokens
+    assert policy.choose(10) == 2 and policy.choose(0) == 0
+    assert FixedK(3).choose(7) == 3 and FixedK(3).choose(0) == 0
+
+
+def test_profile_round_trip_and_derived_table(tmp_path):
+    p = profile()
+    p.num_speculative_tokens_per_batch_size = derive_table(ALPHA, STATS, 4)
+    table = p.num_speculative_tokens_per_batch_size
+    assert table[0][0] == 1 and table[0][2] == 4 and table[-1][2] == 0 and table[-1][1] == 32
+    assert all(a[1] + 1 == b[0] for a, b in zip(table, table[1:]))
+    path = tmp_path / "profile.json"
+    save_profile(p, path)
+    loaded = load_profile(path)
+    assert loaded.batch_stats == p.batch_stats and loaded.acceptance_rate_per_pos == ALPHA
+    config = SpeculativeConfig.parse({"method": "ngram", "dynamic_config_path": str(path)})
+    policy = make_policy(config)
+    assert isinstance(policy, GoodputK) and policy.choose(1) == 4
+
+
+@pytest.mark.parametrize(
+    "content, field",
+    [
+        ("{not json", "invalid JSON"),
+        ("[]", "top level"),
+        (json.dumps({"acceptance_rate_per_pos": []}), "max_num_speculative_tokens"),
+        (json.dumps({"max_num_speculative_tokens": 2, "acceptance_rate_per_pos": [1.5]}), "acceptance_rate_per_pos"),
+        (json.dumps({"max_num_speculative_tokens": 2, "batch_stats": {"x": {}}}), "batch_stats"),
+        (json.dumps({"max_num_speculative_tokens": 2, "batch_stats": {"1": {"0": -3}}}), "batch_stats"),
+    ],
+)
+def test_malformed_profile_is_refused(tmp_path, content, field):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"profile .*bad.json: .*{field}"):
+        load_profile(path)
+    with pytest.raises(ValueError, match="profile .*"):
+        make_policy(SpeculativeConfig.parse({"method": "ngram", "dynamic_config_path": str(path)}))

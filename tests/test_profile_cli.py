@@ -1,0 +1,34 @@
+"""`dynaspec profile` on a tiny model writes a profile that loads and drives the engine."""
+
+import json
+
+from dynaspec.cli import main
+from dynaspec.spec.profile import load_profile
+from test_engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggered
+
+
+def test_profile_then_goodput_engine(tmp_path, target_dir):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    out, plot = tmp_path / "profile.json", tmp_path / "goodput.png"
+    # the target drafting for itself: acceptance near 1, so speculation pays and K > 0 is chosen
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3}
+    rc = main([
+        "profile", "--model", str(target_dir), "--speculative-config", json.dumps(spec), "--dtype", "float32",
+        "--kv-cache-memory-gb", "0.02", "--dataset", str(prompts), "--batch-sizes", "1,2,4", "--num-prompts", "3",
+        "--max-tokens", "12", "--warmup-steps", "1", "--measured-steps", "2", "--output", str(out), "--plot", str(plot),
+    ])
+    assert rc == 0
+    profile = load_profile(out)
+    assert profile.max_num_speculative_tokens == 3
+    assert sorted(profile.batch_stats) == [1, 2, 4]
+    assert all(sorted(row) == [0, 1, 2, 3] and all(t > 0 for t in row.values()) for row in profile.batch_stats.values())
+    assert len(profile.acceptance_rate_per_pos) == 3 and profile.acceptance_rate_per_pos[0] > 0
+    assert profile.num_speculative_tokens_per_batch_size[0][:1] == [1]
+    assert profile.num_speculative_tokens_per_batch_size[0][2] > 0
+    assert plot.stat().st_size > 10_000
+
+    engine = make_engine(target_dir, speculative_config={**spec, "dynamic_config_path": str(out)})
+    assert run_staggered(engine, PROMPTS, GREEDY) == run_alone(target_dir, PROMPTS)
+    snapshot = engine.stats()["spec"]["policy"]
+    assert snapshot["policy"] == "goodput" and snapshot["k_by_batch_size"]
