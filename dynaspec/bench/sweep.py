@@ -1,0 +1,232 @@
+"""`dynaspec bench sweep`: no speculation vs fixed K vs the profiled table vs the goodput policy,
+at several concurrencies, side by side in one run.
+
+Each concurrency C runs a closed loop: C requests in flight, a new prompt joins as one finishes,
+4·C prompts in all. One engine with the drafter serves every speculative configuration (only the
+K policy is swapped, so weights and caches are shared); "none" is a separate engine without a
+drafter. The order of configurations rotates from one concurrency to the next so slow drift of
+the machine does not favour one of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+TABLE_HEADER = f"{'C':>4} {'config':<9} {'tok/s':>8} {'TPOT mean':>10} {'TPOT med':>9} {'AL':>5} {'vs best':>8} {'wall s':>7}"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("sweep", help="concurrency sweep: none, fixed K, profiled table, goodput policy")
+    from dynaspec.cli.common import add_engine_args
+
+    add_engine_args(p)
+    p.add_argument("--profile", required=True, help="profile JSON from `dynaspec profile`")
+    p.add_argument("--dataset", default="humaneval")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32")
+    p.add_argument("--prompts-per-concurrency", type=int, default=4, help="prompts = this x concurrency")
+    p.add_argument("--fixed-ks", default="1,3,5")
+    p.add_argument("--max-tokens", type=int, default=48, help="output cap per request (keeps the sweep short)")
+    p.add_argument("--result-file", default="results/sweep.json")
+    p.add_argument("--plot", default=None, help="PNG of throughput and TPOT against concurrency")
+    p.set_defaults(func=run)
+
+
+@dataclass(slots=True)
+class RunResult:
+    concurrency: int
+    config: str
+    output_tokens: int
+    wall_s: float
+    tpot_ms: list[float]
+    acceptance_length: float | None
+    token_ids: list[list[int]]
+
+    def row(self) -> dict:
+        return {
+            "concurrency": self.concurrency,
+            "config": self.config,
+            "output_tokens": self.output_tokens,
+            "wall_s": round(self.wall_s, 3),
+            "output_tokens_per_s": round(self.output_tokens / self.wall_s, 3) if self.wall_s > 0 else 0.0,
+            "tpot_mean_ms": round(statistics.fmean(self.tpot_ms), 2) if self.tpot_ms else None,
+            "tpot_median_ms": round(statistics.median(self.tpot_ms), 2) if self.tpot_ms else None,
+            "acceptance_length": None if self.acceptance_length is None else round(self.acceptance_length, 3),
+        }
+
+
+def closed_loop(engine, prompts: list, concurrency: int, params) -> tuple[float, list, list[float]]:
+    """Run prompts with at most ``concurrency`` in flight; returns wall time, requests, TPOTs (ms)."""
+    queue = list(prompts)
+    requests, inflight = [], 0
+    start = time.perf_counter()
+    finish: dict[str, float] = {}
+    while queue or engine.has_unfinished():
+        while queue and inflight < concurrency:
+            requests.append(engine.add_request(queue.pop(0), params))
+            inflight += 1
+        for out in engine.step():
+            if out.finished:
+                finish[out.request_id] = time.monotonic()
+                inflight -= 1
+    wall = time.perf_counter() - start
+    tpot = [
+        (finish[r.request_id] - r.first_token_time) * 1000 / (len(r.output_token_ids) - 1)
+        for r in requests
+        if len(r.output_token_ids) > 1 and r.first_token_time is not None
+    ]
+    return wall, requests, tpot
+
+
+def run(args: argparse.Namespace) -> int:
+    from dynaspec.bench.datasets import load_prompts
+    from dynaspec.cli.common import engine_kwargs
+    from dynaspec.engine.engine import Engine, EngineConfig
+    from dynaspec.sampling_params import SamplingParams
+    from dynaspec.spec.config import SpeculativeConfig
+    from dynaspec.spec.policy import FixedK, GoodputK, TableK
+    from dynaspec.spec.profile import load_profile
+
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is None:
+        raise ValueError("--speculative-config: the sweep needs the drafter's config")
+    profile = load_profile(args.profile)
+    concurrencies = _ints(args.concurrency, "--concurrency")
+    fixed_ks = _ints(args.fixed_ks, "--fixed-ks")
+    max_k = max([*fixed_ks, profile.max_num_speculative_tokens])
+    prompts = load_prompts(args.dataset, chat=True)
+    kwargs = engine_kwargs(args)
+    kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], max(concurrencies))
+    kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], max(concurrencies) * (max_k + 1))
+    spec_dict = {**spec.to_dict(), "num_speculative_tokens": max_k}
+    spec_dict.pop("num_speculative_tokens_per_batch_size", None)
+    spec_dict.pop("dynamic_config_path", None)
+    engines = {
+        "none": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None})),
+        "spec": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict})),
+    }
+    table = profile.num_speculative_tokens_per_batch_size
+    policies = {f"K={k}": (lambda k=k: FixedK(k)) for k in fixed_ks}
+    policies["table"] = lambda: TableK(table, max_k, spec.hysteresis_steps)
+    policies["goodput"] = lambda: GoodputK(profile, max_k, spec.hysteresis_steps)
+    configs = ["none", *policies]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+
+    results: list[RunResult] = []
+    cursor = 0
+    with tqdm(total=len(concurrencies) * len(configs), desc="sweep", unit="run") as bar:
+        for ci, c in enumerate(concurrencies):
+            chosen = [prompts[(cursor + i) % len(prompts)] for i in range(args.prompts_per_concurrency * c)]
+            cursor += len(chosen)
+            order = configs[ci % len(configs):] + configs[: ci % len(configs)]
+            for name in order:
+                engine = engines["none" if name == "none" else "spec"]
+                if name != "none":
+                    engine.scheduler.k_chooser = policies[name]()
+                before = (engine.counters.spec.num_drafts, engine.counters.spec.num_accepted_tokens)
+                wall, requests, tpot = closed_loop(engine, chosen, c, params)
+                drafts = engine.counters.spec.num_drafts - before[0]
+                accepted = engine.counters.spec.num_accepted_tokens - before[1]
+                results.append(RunResult(
+                    concurrency=c, config=name, output_tokens=sum(len(r.output_token_ids) for r in requests),
+                    wall_s=wall, tpot_ms=tpot, acceptance_length=(1 + accepted / drafts) if drafts else None,
+                    token_ids=[r.output_token_ids for r in requests],
+                ))
+                bar.update(1)
+    report = summarize(results, configs, concurrencies)
+    report["command_args"] = {k: v for k, v in vars(args).items() if k != "func"}
+    report["profile_table"] = table
+    print(format_report(report))
+    if args.result_file:
+        from pathlib import Path
+
+        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result_file).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"results written to {args.result_file}")
+    if args.plot:
+        plot_sweep(report, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def summarize(results: list[RunResult], configs: list[str], concurrencies: list[int]) -> dict:
+    rows = [r.row() for r in results]
+    by = {(r["concurrency"], r["config"]): r for r in rows}
+    plain = {(r.concurrency): r.token_ids for r in results if r.config == "none"}
+    for r in results:  # greedy: every configuration should emit the target's own tokens
+        ref = plain[r.concurrency]
+        same = sum(a == b for a, b in zip(ref, r.token_ids))
+        by[(r.concurrency, r.config)]["requests_identical_to_none"] = f"{same}/{len(ref)}"
+    for c in concurrencies:
+        for name in configs:
+            others = [by[(c, o)]["output_tokens_per_s"] for o in configs if o not in (name, "goodput")]
+            best_other = max(others) if others else 0.0
+            row = by[(c, name)]
+            row["vs_best_other"] = round(row["output_tokens_per_s"] / best_other, 4) if best_other else None
+    totals = {}
+    for name in configs:
+        walls = [by[(c, name)]["wall_s"] for c in concurrencies]
+        speed = [by[(c, name)]["output_tokens_per_s"] / max(1e-9, by[(c, "none")]["output_tokens_per_s"]) for c in concurrencies]
+        totals[name] = {
+            "total_wall_s": round(sum(walls), 2),
+            "geomean_speedup_vs_none": round(math.exp(statistics.fmean(math.log(max(s, 1e-9)) for s in speed)), 4),
+        }
+    return {"rows": rows, "totals": totals}
+
+
+def format_report(report: dict) -> str:
+    lines = [TABLE_HEADER, "-" * len(TABLE_HEADER)]
+    for r in report["rows"]:
+        al = "" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+        vs = "" if r["vs_best_other"] is None else f"{r['vs_best_other']:.3f}"
+        lines.append(
+            f"{r['concurrency']:>4} {r['config']:<9} {r['output_tokens_per_s']:>8.2f} {r['tpot_mean_ms'] or 0:>10.1f} "
+            f"{r['tpot_median_ms'] or 0:>9.1f} {al:>5} {vs:>8} {r['wall_s']:>7.1f}"
+        )
+    lines.append("")
+    lines.append(f"{'config':<9} {'total wall s':>12} {'geomean speedup vs none':>24}")
+    for name, t in report["totals"].items():
+        lines.append(f"{name:<9} {t['total_wall_s']:>12.1f} {t['geomean_speedup_vs_none']:>24.3f}")
+    return "\n".join(lines)
+
+
+def plot_sweep(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tp, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
+    configs = list(report["totals"])
+    for name in configs:
+        rows = [r for r in report["rows"] if r["config"] == name]
+        xs = [r["concurrency"] for r in rows]
+        style = dict(linewidth=2.5, color="black") if name == "goodput" else {}
+        ax_tp.plot(xs, [r["output_tokens_per_s"] for r in rows], marker="o", label=name, **style)
+        ax_tpot.plot(xs, [r["tpot_median_ms"] for r in rows], marker="o", label=name, **style)
+    for ax, label in ((ax_tp, "output tokens/s"), (ax_tpot, "TPOT median (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    ax_tp.legend(fontsize=8)
+    fig.suptitle("dynaspec concurrency sweep")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}: need integers >= 1")
+    return values

@@ -1,0 +1,32 @@
+"""`dynaspec bench sweep` runs end to end on a tiny model and writes its JSON and plot."""
+
+import json
+
+from dynaspec.cli import main
+from dynaspec.spec.profile import Profile, derive_table, save_profile
+
+
+def test_sweep_tiny(tmp_path, target_dir):
+    stats = {1: {0: 1.0, 1: 1.1, 2: 1.2}, 4: {0: 1.2, 1: 2.0, 2: 3.0}}
+    alpha = [0.9, 0.8]
+    profile = tmp_path / "profile.json"
+    save_profile(Profile(2, alpha, stats, derive_table(alpha, stats, 2)), profile)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\nclass A:\nimport os\nfor i in range(3):\n")
+    result, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 2}
+    rc = main([
+        "bench", "sweep", "--model", str(target_dir), "--dtype", "float32", "--kv-cache-memory-gb", "0.02",
+        "--speculative-config", json.dumps(spec), "--profile", str(profile), "--dataset", str(prompts),
+        "--concurrency", "1,2", "--prompts-per-concurrency", "2", "--fixed-ks", "1,2", "--max-tokens", "6",
+        "--result-file", str(result), "--plot", str(plot),
+    ])
+    assert rc == 0
+    report = json.loads(result.read_text())
+    configs = {r["config"] for r in report["rows"]}
+    assert configs == {"none", "K=1", "K=2", "table", "goodput"}
+    assert all(r["output_tokens_per_s"] > 0 for r in report["rows"])
+    # greedy: every configuration emits exactly what the target alone does
+    assert all(r["requests_identical_to_none"] in ("2/2", "4/4") for r in report["rows"])
+    assert set(report["totals"]) == configs
+    assert plot.stat().st_size > 10_000
