@@ -76,12 +76,11 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul (loaded from Hugging Face's separate q/k/v_proj tensors)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -95,9 +94,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -110,12 +110,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        # gate and up in one matmul (loaded from Hugging Face's gate_proj and up_proj)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -201,6 +202,7 @@ class LlamaModel(nn.Module):
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, converting to this model's dtype; strict."""
+        weights = _fuse_projections(weights, self.config.num_hidden_layers)
         params = dict(self.named_parameters(remove_duplicate=False))
         expected = set(params)
         if self.config.tie_word_embeddings:
@@ -215,3 +217,26 @@ class LlamaModel(nn.Module):
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ValueError(f"tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
                 dst.copy_(src)
+
+
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def _fuse_projections(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Hugging Face's separate q/k/v and gate/up tensors, concatenated for the fused layers."""
+    fused = dict(weights)
+    for i in range(num_layers):
+        prefix = f"model.layers.{i}."
+        for target, parts in _FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}{p}.{kind}" for p in parts]
+                present = [n in fused for n in names]
+                if all(present):
+                    fused[f"{prefix}{target}.{kind}"] = torch.cat([fused.pop(n) for n in names])
+                elif any(present):
+                    missing = names[present.index(False)]
+                    raise ValueError(f"checkpoint is missing {missing}")
+    return fused
