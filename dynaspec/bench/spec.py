@@ -1,0 +1,137 @@
+"""`dynaspec bench spec`: speculative speedup at batch size 1, greedy, against plain decoding and
+against Hugging Face transformers' assisted generation with the same pair, in one run.
+
+Configurations are interleaved prompt by prompt (every configuration runs prompt 1, then prompt 2,
+...) so machine noise hits them alike. Speeds are output tokens over wall time, prefill included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+from dynaspec.bench.common import format_table, write_result
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("spec", help="batch-1 speculative speedup: K sweep, ngram, transformers assisted")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--dataset", default="humaneval")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--ks", default="1,2,3,4,5,6", help="draft_model K values")
+    p.add_argument("--ngram-k", type=int, default=4, help="K for the ngram proposer (0: skip)")
+    p.add_argument("--draft-quantization", default="int8", help="int8 or none (the drafter only: lossless)")
+    p.add_argument("--draft-vocab-size", type=int, default=32768, help="drafter LM head rows kept (0: all)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers (plain and assisted generation)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--result-file", default="results/bench_spec.json")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dynaspec.bench.datasets import load_prompts
+    from dynaspec.engine.engine import Engine, EngineConfig
+    from dynaspec.sampling_params import SamplingParams
+    from dynaspec.spec.policy import FixedK
+
+    ks = [int(k) for k in args.ks.split(",") if k.strip()]
+    if not ks or min(ks) < 1:
+        raise ValueError("--ks: need comma-separated integers >= 1")
+    prompts = load_prompts(args.dataset, chat=True)[: args.num_prompts]
+    base = dict(dtype=args.dtype, max_num_seqs=1, kv_cache_memory_gb=1.0)
+    draft_spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": max(ks)}
+    if args.draft_quantization and args.draft_quantization != "none":
+        draft_spec["draft_quantization"] = args.draft_quantization
+    if args.draft_vocab_size:
+        draft_spec["draft_vocab_size"] = args.draft_vocab_size
+    engines = {"plain": Engine(EngineConfig(model=args.model, **base))}
+    engines["draft"] = Engine(EngineConfig(model=args.model, speculative_config=draft_spec, **base))
+    configs = [("dynaspec plain", "plain", None)] + [(f"dynaspec K={k}", "draft", k) for k in ks]
+    if args.ngram_k:
+        ngram = {"method": "ngram", "num_speculative_tokens": args.ngram_k}
+        engines["ngram"] = Engine(EngineConfig(model=args.model, speculative_config=ngram, **base))
+        configs.append((f"dynaspec ngram K={args.ngram_k}", "ngram", args.ngram_k))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    tokenizer = engines["plain"].tokenizer
+    prompt_ids = [tokenizer.apply_chat_template(p) for p in prompts]
+
+    totals = {name: {"tokens": 0, "wall": 0.0, "outputs": [], "accepted": 0, "drafts": 0, "per_pos": []} for name, _, _ in configs}
+    for ids in prompt_ids:
+        for name, engine_name, k in configs:
+            engine = engines[engine_name]
+            if k is not None:
+                engine.scheduler.k_chooser = FixedK(k)
+            spec = engine.counters.spec
+            before = (spec.num_accepted_tokens, spec.num_drafts, list(spec.accepted_per_pos))
+            start = time.perf_counter()
+            request = engine.add_request(ids, params)
+            while engine.has_unfinished():
+                engine.step()
+            t = totals[name]
+            t["wall"] += time.perf_counter() - start
+            t["tokens"] += len(request.output_token_ids)
+            t["outputs"].append(request.output_token_ids)
+            t["accepted"] += spec.num_accepted_tokens - before[0]
+            t["drafts"] += spec.num_drafts - before[1]
+            t["per_pos"] = _add(t["per_pos"], _sub(spec.accepted_per_pos, before[2]))
+        print(f"prompt done: {len(ids)} prompt tokens", flush=True)
+    del engines
+    gc.collect()
+    if not args.no_hf:
+        _run_transformers(args, prompt_ids, totals)
+
+    plain = totals["dynaspec plain"]
+    plain_speed = plain["tokens"] / plain["wall"] if plain["wall"] else 0.0
+    rows, records = [], []
+    for name, t in totals.items():
+        speed = t["tokens"] / t["wall"] if t["wall"] else 0.0
+        al = 1 + t["accepted"] / t["drafts"] if t["drafts"] else None
+        per_pos = [round(a / t["drafts"], 3) for a in t["per_pos"]] if t["drafts"] else []
+        same = sum(a == b for a, b in zip(t["outputs"], plain["outputs"]))
+        rows.append([name, t["tokens"], round(t["wall"], 2), speed, speed / plain_speed if plain_speed else None, al,
+                     " ".join(f"{a:.2f}" for a in per_pos) or "-", f"{same}/{len(plain['outputs'])}"])
+        records.append({"config": name, "output_tokens": t["tokens"], "wall_s": round(t["wall"], 3),
+                        "tokens_per_s": round(speed, 3), "speedup_vs_dynaspec_plain": round(speed / plain_speed, 3) if plain_speed else None,
+                        "acceptance_length": None if al is None else round(al, 3), "acceptance_rate_per_pos": per_pos,
+                        "outputs_identical_to_dynaspec_plain": same})
+    print(format_table(["config", "tokens", "wall s", "tok/s", "speedup", "AL", "accept per pos", "same as plain"], rows))
+    write_result(args.result_file, {"benchmark": "spec", "args": {k: v for k, v in vars(args).items() if k != "func"},
+                                    "draft_config": draft_spec, "rows": records})
+    return 0
+
+
+def _run_transformers(args, prompt_ids, totals) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dynaspec.models.loader import resolve_model
+
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)), dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.draft)), dtype=dtype).eval()
+    for name in ("transformers plain", "transformers assisted"):
+        totals[name] = {"tokens": 0, "wall": 0.0, "outputs": [], "accepted": 0, "drafts": 0, "per_pos": []}
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        for name, extra in (("transformers plain", {}), ("transformers assisted", {"assistant_model": draft})):
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_tokens,
+                                      do_sample=False, **extra)
+            t = totals[name]
+            t["wall"] += time.perf_counter() - start
+            new = out[0, len(ids):].tolist()
+            t["tokens"] += len(new)
+            t["outputs"].append(new)
+
+
+def _sub(a: list[int], b: list[int]) -> list[int]:
+    return [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
