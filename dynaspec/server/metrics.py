@@ -1,0 +1,94 @@
+"""Prometheus metrics, one registry per server.
+
+Latency histograms and token counters are recorded as requests progress; engine state (running,
+waiting, KV usage) and the speculative counters (named like the reference engine's) are read from
+the engine loop's latest snapshot when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from dynaspec.engine.request import FinishReason, Request
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("dynaspec:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("dynaspec:time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("dynaspec:e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("dynaspec:prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("dynaspec:generation_tokens", "Tokens generated", registry=r)
+        self.success = Counter("dynaspec:request_success", "Requests finished", ["finished_reason"], registry=r)
+
+    def attach(self, snapshot: Callable[[], object]) -> None:
+        """Read engine state from ``snapshot()`` at scrape time."""
+        self.registry.register(_EngineCollector(snapshot))
+
+    def request_started(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def tokens_generated(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+
+    def request_aborted(self) -> None:
+        self.success.labels(finished_reason=FinishReason.ABORT.value).inc()
+
+    def request_finished(self, request: Request, now: float) -> None:
+        reason = request.finish_reason.value if request.finish_reason else "unknown"
+        self.success.labels(finished_reason=reason).inc()
+        self.e2e.observe(now - request.arrival_time)
+        if request.first_token_time is not None:
+            self.ttft.observe(request.first_token_time - request.arrival_time)
+            n = len(request.output_token_ids)
+            if n > 1:
+                self.tpot.observe((now - request.first_token_time) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, snapshot: Callable[[], object]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self):
+        s = self.snapshot()
+        yield _gauge("dynaspec:num_requests_running", "Requests running", s.running)
+        yield _gauge("dynaspec:num_requests_waiting", "Requests waiting", s.waiting)
+        yield _gauge("dynaspec:kv_cache_usage_perc", "Fraction of KV cache blocks in use", s.kv_cache_usage)
+        spec = s.stats.get("spec")
+        if spec is None:
+            return
+        for name, key, doc in (
+            ("num_drafts", "num_drafts", "Decode request-steps that verified drafts"),
+            ("num_draft_tokens", "num_draft_tokens", "Draft tokens verified"),
+            ("num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted"),
+        ):
+            c = CounterMetricFamily(f"dynaspec:spec_decode_{name}", doc)
+            c.add_metric([], spec[key])
+            yield c
+        per_pos = CounterMetricFamily("dynaspec:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position",
+                                      labels=["position"])
+        for i, n in enumerate(spec["accepted_per_pos"]):
+            per_pos.add_metric([str(i)], n)
+        yield per_pos
+        k = GaugeMetricFamily("dynaspec:spec_decode_k", "K last chosen at each decode batch size", labels=["batch_size"])
+        for bs, value in spec.get("policy", {}).get("k_by_batch_size", {}).items():
+            k.add_metric([str(bs)], value)
+        yield k
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], value)
+    return g

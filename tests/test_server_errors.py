@@ -1,0 +1,55 @@
+"""Each kind of bad input gets a 4xx with an OpenAI-style error body, and the server keeps serving."""
+
+import httpx
+import pytest
+
+from server_util import running_server
+
+
+@pytest.fixture(scope="module")
+def base(target_dir):
+    with running_server(target_dir, max_model_len=64) as (url, _):
+        yield url
+
+
+GOOD = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", {**GOOD, "max_tokens": "many"}, 400, "max_tokens"),
+        ("/v1/completions", {**GOOD, "temperature": [1]}, 400, "temperature"),
+        ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
+        ("/v1/completions", {**GOOD, "max_tokens": -3}, 400, "max_tokens"),
+        ("/v1/completions", {**GOOD, "max_tokens": 10**9}, 400, "max_tokens"),
+        ("/v1/completions", {**GOOD, "prompt": "word " * 200}, 400, "prompt"),
+        ("/v1/completions", {**GOOD, "n": 3}, 400, "n"),
+        ("/v1/completions", {**GOOD, "logprobs": 5}, 400, "logprobs"),
+        ("/v1/completions", {**GOOD, "best_of": 2}, 400, "best_of"),
+        ("/v1/completions", {**GOOD, "frobnicate": True}, 400, "frobnicate"),
+        ("/v1/completions", {**GOOD, "top_p": 7}, 400, "top_p"),
+        ("/v1/completions", {k: v for k, v in GOOD.items() if k != "prompt"}, 400, "prompt"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+    ],
+)
+def test_bad_input_then_good_request(base, path, body, status, param):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(base + path, timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    good = httpx.post(f"{base}/v1/completions", json=GOOD, timeout=60)
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_unknown_route_is_404_json(base):
+    r = httpx.get(f"{base}/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
