@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dataset", default="humaneval")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--ks", default="1,2,3,4,5,6", help="draft_model K values")
+    p.add_argument("--ks", default="0,1,2,3,4,5,6", help="draft_model K values (K=0: drafter loaded, never run)")
     p.add_argument("--ngram-k", type=int, default=4, help="K for the ngram proposer (0: skip)")
     p.add_argument("--draft-quantization", default="int8", help="int8 or none (the drafter only: lossless)")
     p.add_argument("--draft-vocab-size", type=int, default=32768, help="drafter LM head rows kept (0: all)")
@@ -38,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from dynaspec.spec.policy import FixedK
 
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
-    if not ks or min(ks) < 1:
-        raise ValueError("--ks: need comma-separated integers >= 1")
+    if not ks or min(ks) < 0 or max(ks) < 1:
+        raise ValueError("--ks: need comma-separated integers >= 0, at least one >= 1")
     prompts = load_prompts(args.dataset, chat=True)[: args.num_prompts]
     base = dict(dtype=args.dtype, max_num_seqs=1, kv_cache_memory_gb=1.0)
     draft_spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": max(ks)}
