@@ -19,13 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"dynaspec.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"dynaspec.cli.{name}":
-                raise
-            continue
-        module.add_parser(sub)
+        importlib.import_module(f"dynaspec.cli.{name}").add_parser(sub)
     return parser
 
 
