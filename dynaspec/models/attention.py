@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -46,16 +47,13 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Plan attention for sequences whose new tokens are laid out back to back in the flat batch.
 
-    ``ctx_lens[i]`` counts the sequence's tokens including its ``q_lens[i]`` new ones.
+    ``ctx_lens[i]`` counts the sequence's tokens including its ``q_lens[i]`` new ones. Built with
+    numpy on the host (small arrays: torch's per-op overhead dominated here), copied once.
     """
-    starts = []
-    total = 0
-    for q in q_lens:
-        starts.append(total)
-        total += q
-    slot_mapping = []
-    for q, c, table in zip(q_lens, ctx_lens, block_tables):
-        slot_mapping.extend(_slots(table, block_size, c - q, c))
+    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
+    total = int(sum(q_lens))
+    slots = [_slots(table, block_size, c) for c, table in zip(ctx_lens, block_tables)]  # [c] each
+    slot_mapping = np.concatenate([s[c - q :] for s, q, c in zip(slots, q_lens, ctx_lens)])
 
     short = [i for i, q in enumerate(q_lens) if q <= SHORT_QUERY_MAX]
     long = [i for i, q in enumerate(q_lens) if q > SHORT_QUERY_MAX]
@@ -66,44 +64,46 @@ def build_attention_metadata(
     for members in member_lists:
         q_max = max(q_lens[i] for i in members)
         c_max = max(ctx_lens[i] for i in members)
-        token_index = torch.zeros(len(members), q_max, dtype=torch.long)
-        query_valid = torch.zeros(len(members), q_max, dtype=torch.bool)
-        kv_slots = torch.zeros(len(members), c_max, dtype=torch.long)
-        mask = torch.zeros(len(members), 1, q_max, c_max, dtype=torch.bool)
+        b = len(members)
+        token_index = np.zeros((b, q_max), dtype=np.int64)
+        query_valid = np.zeros((b, q_max), dtype=bool)
+        kv_slots = np.zeros((b, c_max), dtype=np.int64)
+        mask = np.zeros((b, 1, q_max, c_max), dtype=bool)
+        key_pos = np.arange(c_max)
         for row, i in enumerate(members):
             q, c = q_lens[i], ctx_lens[i]
-            token_index[row, :q] = torch.arange(starts[i], starts[i] + q)
+            rows = np.arange(starts[i], starts[i] + q)
+            token_index[row, :q] = rows
             query_valid[row, :q] = True
-            kv_slots[row, :c] = torch.tensor(_slots(block_tables[i], block_size, 0, c))
+            kv_slots[row, :c] = slots[i]
             # query j sits at position c - q + j and sees keys 0..c - q + j
-            key_pos = torch.arange(c_max)
-            query_pos = torch.arange(c - q, c)
-            mask[row, 0, :q] = key_pos[None, :] <= query_pos[:, None]
-            order.extend(range(starts[i], starts[i] + q))
+            mask[row, 0, :q] = key_pos[None, :] <= np.arange(c - q, c)[:, None]
+            order.append(rows)
         # padded query rows attend to key 0 so softmax stays finite; their output is dropped
         mask[:, 0, :, 0] |= ~query_valid
         groups.append(
             AttentionGroup(
-                token_index=token_index.reshape(-1).to(device),
-                valid_index=query_valid.reshape(-1).nonzero().squeeze(1).to(device),
-                kv_slots=kv_slots.reshape(-1).to(device),
-                mask=mask.to(device),
-                batch=len(members),
+                token_index=torch.from_numpy(token_index.reshape(-1)).to(device),
+                valid_index=torch.from_numpy(np.flatnonzero(query_valid)).to(device),
+                kv_slots=torch.from_numpy(kv_slots.reshape(-1)).to(device),
+                mask=torch.from_numpy(mask).to(device),
+                batch=b,
                 q_max=q_max,
                 c_max=c_max,
             )
         )
-    out_index = torch.empty(total, dtype=torch.long)
-    out_index[torch.tensor(order, dtype=torch.long)] = torch.arange(total)
+    out_index = np.empty(total, dtype=np.int64)
+    out_index[np.concatenate(order)] = np.arange(total)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
         groups=groups,
-        out_index=out_index.to(device),
+        out_index=torch.from_numpy(out_index).to(device),
     )
 
 
-def _slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+def _slots(block_table: list[int], block_size: int, end: int) -> np.ndarray:  # [end] cache slot of positions 0..end-1
+    pos = np.arange(end)
+    return np.asarray(block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
 
 
 def paged_attention(
@@ -126,8 +126,33 @@ def paged_attention(
         qg = q.index_select(0, g.token_index).view(b, q_max, *q.shape[1:]).transpose(1, 2)
         kg = k_cache.index_select(0, g.kv_slots).view(b, c_max, *k_cache.shape[1:]).transpose(1, 2)
         vg = v_cache.index_select(0, g.kv_slots).view(b, c_max, *v_cache.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)
+        if q_max <= SHORT_QUERY_MAX:
+            out = _short_query_attention(qg, kg, vg, g.mask)
+        else:
+            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b * q_max, *q.shape[1:])
         outputs.append(out.index_select(0, g.valid_index))  # [valid_tokens, heads, head_dim]
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.index_select(0, meta.out_index)
+
+
+def _short_query_attention(
+    q: torch.Tensor,  # [b, heads, q_max, head_dim]
+    k: torch.Tensor,  # [b, kv_heads, c_max, head_dim]
+    v: torch.Tensor,  # [b, kv_heads, c_max, head_dim]
+    mask: torch.Tensor,  # [b, 1, q_max, c_max] bool
+) -> torch.Tensor:  # [b, heads, q_max, head_dim]
+    """Decode/verify attention as two batched float32 matmuls.
+
+    For a few queries per sequence this beats the CPU flash kernel (which parallelises over query
+    blocks) by ~2x; float32 also avoids the slow bf16 elementwise path of the softmax.
+    """
+    b, heads, q_max, head_dim = q.shape
+    kv_heads, c_max = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    qf = q.float().reshape(b, kv_heads, group * q_max, head_dim)
+    scores = qf @ k.float().transpose(-1, -2) * head_dim**-0.5  # [b, kv_heads, group * q_max, c_max]
+    scores = scores.view(b, kv_heads, group, q_max, c_max).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = scores.softmax(-1).view(b, kv_heads, group * q_max, c_max)
+    out = (probs @ v.float()).view(b, heads, q_max, head_dim)
+    return out.to(q.dtype)
