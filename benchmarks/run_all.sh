@@ -15,3 +15,10 @@ $DS profile --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC --dat
 $DS bench sweep --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC \
     --profile results/profile_qwen_pair_humaneval.json --dataset humaneval --concurrency 1,2,4,8,16,32 \
     --prompts-per-concurrency 4 --max-tokens 32 --result-file results/sweep.json --plot results/sweep.png 2>&1 | tee results/sweep.log
+# serving: a real server with speculation, and the streaming client against it
+$DS serve --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC --port 8011 > results/serve_server.log 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null' EXIT
+for _ in $(seq 120); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+$DS bench serve --base-url http://127.0.0.1:8011 --dataset mtbench --num-prompts 16 --max-concurrency 4 \
+    --max-tokens 64 --result-file results/bench_serve.json 2>&1 | tee results/bench_serve.log
