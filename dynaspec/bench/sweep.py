@@ -139,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
                     token_ids=[r.output_token_ids for r in requests],
                 ))
                 bar.update(1)
+            _save(args.result_file, summarize(results, configs, concurrencies[: ci + 1]))  # partial, in case the run is cut
     report = summarize(results, configs, concurrencies)
     report["command_args"] = {k: v for k, v in vars(args).items() if k != "func"}
     report["profile_table"] = table
@@ -153,6 +154,14 @@ def run(args: argparse.Namespace) -> int:
         plot_sweep(report, args.plot)
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _save(path: str | None, report: dict) -> None:
+    if path:
+        from pathlib import Path
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def summarize(results: list[RunResult], configs: list[str], concurrencies: list[int]) -> dict:
