@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from dynaspec.bench.common import environment
 from dynaspec.engine.engine import Engine
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.spec.policy import FixedK
@@ -100,7 +101,7 @@ def run_profile(engine: Engine, prompts: list, settings: ProfileSettings, meta: 
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__,
             "device": str(engine.device),
-            "cpu": _cpu_name(),
+            "cpu": environment()["cpu"],
             "threads": torch.get_num_threads(),
             "platform": platform.platform(),
             "settings": {
@@ -117,16 +118,3 @@ def run_profile(engine: Engine, prompts: list, settings: ProfileSettings, meta: 
 
 def _at(values: list[int], i: int) -> int:
     return values[i] if i < len(values) else 0
-
-
-def _cpu_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
