@@ -89,3 +89,28 @@ def test_draft_with_another_tokenizer_is_refused(target_dir, tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="speculative_config.model: .*different tokenizer"):
         spec_engine(target_dir, {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("catchup_ms", [0.0, 1e6])
+def test_goodput_gate_skips_drafter_catchup_that_cannot_pay(tmp_path, target_dir, draft_dir, plain, catchup_ms):
+    """A profile where K = 3 is far cheaper than K = 0 wants K = 3 whatever the live costs; the
+    catch-up price decides whether new requests get drafts at all. Either way the output is the
+    plain one."""
+    from dynaspec.spec.profile import Profile, save_profile
+
+    stats = {bs: {0: 100.0, 1: 10.0, 2: 10.0, 3: 10.0} for bs in (1, 8)}
+    profile = Profile(3, [1.0, 1.0, 1.0], stats, cost_model={"target_ms": [1.0, 0.0, 0.0], "draft_pass_ms": [0.01, 0.0, catchup_ms]})
+    save_profile(profile, tmp_path / "p.json")
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3,
+            "dynamic_config_path": str(tmp_path / "p.json")}
+    engine = spec_engine(target_dir, spec)
+    calls = []
+    original = engine.proposer.runner.run
+    engine.proposer.runner.run = lambda runs: calls.append(len(runs)) or original(runs)
+    assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
+    snapshot = engine.stats()["spec"]["policy"]
+    if catchup_ms:  # prompts would cost 1e6 ms per token to catch up: K = 3 is chosen, no request drafts
+        assert calls == [] and snapshot["requests_gated"] > 0
+    else:  # catching up is free: requests draft (until live acceptance and costs say otherwise)
+        assert calls and snapshot["requests_gated"] == 0
+        assert snapshot["cost_model"]["observations"]["draft_passes"] == len(calls)

@@ -47,6 +47,7 @@ class RunResult:
     tpot_ms: list[float]
     acceptance_length: float | None
     token_ids: list[list[int]]
+    policy: dict | None = None  # the K policy's snapshot after the run (K per batch size, gates, costs)
 
     def row(self) -> dict:
         return {
@@ -58,6 +59,7 @@ class RunResult:
             "tpot_mean_ms": round(statistics.fmean(self.tpot_ms), 2) if self.tpot_ms else None,
             "tpot_median_ms": round(statistics.median(self.tpot_ms), 2) if self.tpot_ms else None,
             "acceptance_length": None if self.acceptance_length is None else round(self.acceptance_length, 3),
+            **({"policy": self.policy} if self.policy else {}),
         }
 
 
@@ -137,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
                     concurrency=c, config=name, output_tokens=sum(len(r.output_token_ids) for r in requests),
                     wall_s=wall, tpot_ms=tpot, acceptance_length=(1 + accepted / drafts) if drafts else None,
                     token_ids=[r.output_token_ids for r in requests],
+                    policy=engine.scheduler.k_chooser.snapshot() if name != "none" else None,
                 ))
                 bar.update(1)
             _save(args.result_file, summarize(results, configs, concurrencies[: ci + 1]))  # partial, in case the run is cut

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from dynaspec.models.loader import load_hf_dir, resolve_model
 from dynaspec.models.tokenizer import IncrementalDetokenizer
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.spec.config import SpeculativeConfig
+from dynaspec.spec.cost import StepTiming
 from dynaspec.spec.policy import make_policy
 from dynaspec.spec.proposer import Drafts, ProposerContext, make_proposer
 from dynaspec.spec.rejection import rejection_sample
@@ -103,7 +105,14 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks * config.block_size, config.block_size, dtype, device)
         self.proposer.allocate_kv(num_blocks * config.block_size)
         self.k_policy = make_policy(config.speculative_config) if config.speculative_config else None
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.k_policy)
+        self.scheduler = Scheduler(
+            self.allocator,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.k_policy,
+            pending_draft_tokens=getattr(self.proposer, "pending_tokens", None),
+        )
+        self.last_timing: StepTiming | None = None  # pass times of the latest step (profiler, cost model)
         self.counters = EngineCounters()
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
@@ -166,12 +175,27 @@ class Engine:
         sampling = self._sampling(plan)
         drafts = self.proposer.propose(plan, sampling)  # drafts for the decode requests
         drafts = drafts.padded(len(plan.sampled))
+        start = time.perf_counter()
         logits = self._verify(plan, drafts)  # one target pass over last tokens + drafts + prefills
+        self._sync()
+        target_ms = (time.perf_counter() - start) * 1000
         tokens = rejection_sample(logits, drafts.token_ids, drafts.num_drafts, drafts.probs, sampling)
         result = StepResult(token_ids=tokens, num_drafts=drafts.num_drafts[: plan.num_decodes])
         self.proposer.commit(plan, result)  # e.g. draft-model KV catch-up
         self._observe(plan, result)
+        self.last_timing = StepTiming(
+            verify_tokens=plan.num_decodes + sum(result.num_drafts),
+            prefill_tokens=sum(c.num_tokens for c in plan.prefills),
+            target_ms=target_ms,
+            draft_passes=list(getattr(self.proposer, "last_pass_timings", ())) if plan.k else [],
+        )
+        if self.scheduler.k_chooser is not None:
+            self.scheduler.k_chooser.observe_timing(self.last_timing)
         return self.scheduler.update(plan, result)  # append, finish, free KV
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":  # kernels are asynchronous: time what really ran
+            torch.cuda.synchronize(self.device)
 
     def _sampling(self, plan: SchedulePlan) -> SamplingTensors:
         sampled = plan.sampled
@@ -207,7 +231,7 @@ class Engine:
         c.num_generated_tokens += sum(len(t) for t in result.token_ids)
         if plan.num_decodes:
             c.spec.observe(
-                plan.num_decodes, plan.k, result.num_drafts, [len(t) for t in result.token_ids[: plan.num_decodes]]
+                plan.num_decodes, plan.chosen_k, result.num_drafts, [len(t) for t in result.token_ids[: plan.num_decodes]]
             )
 
     def stats(self) -> dict:

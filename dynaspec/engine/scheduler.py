@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from dynaspec.engine.kv_cache import BlockAllocator
 from dynaspec.engine.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -18,6 +18,7 @@ from dynaspec.engine.request import FinishReason, Request, RequestOutput, Reques
 
 class KChooser(Protocol):
     def choose(self, num_decode_requests: int) -> int: ...
+    def gate(self, batch_size: int, k: int, pending_tokens: int, horizon: int) -> int: ...
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None: ...
 
 
@@ -36,7 +37,8 @@ class SchedulePlan:
     decodes: list[Request]  # each verifies its last token plus up to max_drafts[i] drafts
     max_drafts: list[int]  # [len(decodes)] per-request cap on K (short of max_tokens / context)
     prefills: list[PrefillChunk]
-    k: int  # K chosen for this step
+    k: int  # drafts the step really makes at most (the policy's K after per-request caps and gates)
+    chosen_k: int = 0  # the policy's K for this batch size (stats)
     released: list[str] = field(default_factory=list)  # preempted or finished since the last plan
 
     @property
@@ -62,11 +64,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         k_chooser: KChooser | None,
+        pending_draft_tokens: Callable[[Request], int] | None = None,
     ) -> None:
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.k_chooser = k_chooser
+        # tokens the proposer must catch up on before it can draft for a request (0 for ngram)
+        self.pending_draft_tokens = pending_draft_tokens or (lambda r: 0)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._released: list[str] = []
@@ -95,6 +100,8 @@ class Scheduler:
             if r.status is not RequestStatus.RUNNING:  # preempted to make room for an older one
                 continue
             cap = min(k, max(0, r.max_new_tokens_left - 1))
+            if cap:
+                cap = self.k_chooser.gate(len(decodes), cap, self.pending_draft_tokens(r), r.max_new_tokens_left)
             if not self._reserve(r, r.num_tokens + cap):
                 continue
             max_drafts[r.request_id] = cap
@@ -127,7 +134,8 @@ class Scheduler:
             decodes=decodes,
             max_drafts=[max_drafts[r.request_id] for r in decodes],
             prefills=prefills,
-            k=k,
+            k=max(max_drafts.values(), default=0),
+            chosen_k=k,
             released=released,
         )
 

@@ -9,6 +9,8 @@ stays valid and the rest is simply overwritten later.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +44,11 @@ class DraftModelProposer:
         self.ctx = ctx
         self.runner: ModelRunner | None = None
         self.num_computed: dict[str, int] = {}  # request id -> tokens whose draft K/V is valid
+        self.last_pass_timings: list[tuple[int, int, float]] = []  # (rows, extra tokens, ms) per pass
+
+    def pending_tokens(self, request) -> int:
+        """Tokens to feed before drafting for ``request``: 1 when caught up, its whole prompt when new."""
+        return request.num_tokens - self.num_computed.get(request.request_id, 0)
 
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.model.config, self.ctx.dtype)
@@ -50,6 +57,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(self.model, num_slots, self.ctx.block_size, self.ctx.dtype, self.ctx.device)
 
     def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
+        self.last_pass_timings = []
         if plan.k == 0:
             return Drafts.none(plan.num_decodes, self.ctx.device)
         active = [i for i, cap in enumerate(plan.max_drafts) if cap > 0]
@@ -71,7 +79,13 @@ class DraftModelProposer:
                     TokenRun([int(tokens[i, j - 1])], plan.decodes[i].num_tokens + j - 1, plan.decodes[i].block_ids, [0])
                     for i in active
                 ]
+            start = time.perf_counter()
             logits = self.runner.run(runs)[:, None, :]  # [len(active), 1, vocab]
+            if self.ctx.device.type == "cuda":
+                torch.cuda.synchronize(self.ctx.device)
+            rows = len(runs)
+            extra = sum(len(r.token_ids) for r in runs) - rows
+            self.last_pass_timings.append((rows, extra, (time.perf_counter() - start) * 1000))
             idx = torch.tensor(active, dtype=torch.long, device=self.ctx.device)
             if want_probs:
                 q = processed_probs(logits, sampling.temperature[idx], sampling.top_k[idx], sampling.top_p[idx])[:, 0]

@@ -2,12 +2,12 @@
 
 - ``FixedK``: always ``num_speculative_tokens``.
 - ``TableK``: the per-batch-size table (``num_speculative_tokens_per_batch_size``).
-- ``GoodputK``: K* = argmax_K AL(K) / ITL(bs, K) from a profile, with acceptance that follows
-  live traffic.
+- ``GoodputK``: K* = argmax_K AL(K) / ITL(bs, K) from a profile, with acceptance and step costs
+  that follow live traffic, and a per-request gate on drafter catch-up.
 
 Table and goodput policies switch K only after the new choice has won ``hysteresis_steps``
 consecutive steps (the first choice is immediate), so K does not flip at a batch-size boundary.
-Everything here is plain Python with every division guarded.
+Every division is guarded: empty or zero data never crashes a policy.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import logging
 from typing import Protocol, Sequence
 
 from dynaspec.spec.config import SpeculativeConfig, table_lookup
-from dynaspec.spec.profile import Profile, best_k, load_profile
+from dynaspec.spec.cost import StepCostModel, StepTiming, prior_from_grid
+from dynaspec.spec.profile import Profile, acceptance_length, argmax_goodput, interpolate_itl, load_profile
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 class KPolicy(Protocol):
     def choose(self, num_decode_requests: int) -> int: ...
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None: ...
+    def gate(self, batch_size: int, k: int, pending_tokens: int, horizon: int) -> int: ...
+    def observe_timing(self, timing: StepTiming) -> None: ...
     def snapshot(self) -> dict: ...
 
 
@@ -61,6 +64,12 @@ class FixedK:
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
         pass
 
+    def gate(self, batch_size: int, k: int, pending_tokens: int, horizon: int) -> int:
+        return k
+
+    def observe_timing(self, timing: StepTiming) -> None:
+        pass
+
     def snapshot(self) -> dict:
         return {"policy": "fixed", "k": self.k}
 
@@ -81,6 +90,12 @@ class TableK:
         return k
 
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
+        pass
+
+    def gate(self, batch_size: int, k: int, pending_tokens: int, horizon: int) -> int:
+        return k
+
+    def observe_timing(self, timing: StepTiming) -> None:
         pass
 
     def snapshot(self) -> dict:
@@ -131,24 +146,75 @@ class AcceptanceEstimate:
 
 
 class GoodputK:
-    def __init__(self, profile: Profile, max_k: int, hysteresis_steps: int = 3, **estimate_kwargs) -> None:
+    """K* = argmax_K AL(K) / ITL(bs, K), with live acceptance, live step costs, and a catch-up gate.
+
+    ITL(bs, K) is the profile's grid (interpolated), scaled by the drift the online cost model
+    (``dynaspec.spec.cost``) has seen between the profile and live steps. ``gate`` decides per
+    request whether drafting for it pays: a draft model must first catch up on every token it has
+    not seen (a new request's whole prompt), a one-time cost repaid by the time saved per token
+    over the tokens the request may still generate.
+    """
+
+    def __init__(
+        self,
+        profile: Profile,
+        max_k: int,
+        hysteresis_steps: int = 3,
+        cost_model: StepCostModel | None = None,
+        **estimate_kwargs,
+    ) -> None:
         self.profile = profile
         self.max_k = max(0, min(max_k, profile.max_num_speculative_tokens))
         self.acceptance = AcceptanceEstimate(profile.acceptance_rate_per_pos, self.max_k, **estimate_kwargs)
         self.hysteresis = Hysteresis(hysteresis_steps)
         self.k_by_batch_size: dict[int, int] = {}
+        if cost_model is None:
+            if profile.cost_model is not None:
+                cost_model = StepCostModel(profile.cost_model["target_ms"], profile.cost_model["draft_pass_ms"])
+            else:
+                cost_model = StepCostModel(*prior_from_grid(profile.batch_stats))
+        self.costs = cost_model
+        self.num_gated = 0  # requests kept from drafting because catching the drafter up would not pay
+
+    def itl(self, batch_size: int, k: int) -> float | None:
+        """ITL(bs, K) in ms: the profile's, times the live drift; the cost model's alone off the grid."""
+        base = interpolate_itl(self.profile.batch_stats, batch_size, k)
+        if base is None:
+            model = self.costs.itl(batch_size, k)
+            return model if model > 0 else None
+        return base * self.costs.drift(batch_size, k)
 
     def choose(self, num_decode_requests: int) -> int:
         if num_decode_requests == 0:
             return 0
-        wanted = best_k(self.acceptance.rates(), self.profile.batch_stats, num_decode_requests, self.max_k)
+        alpha = self.acceptance.rates()
+        wanted = argmax_goodput(alpha, lambda k: self.itl(num_decode_requests, k), self.max_k)
         k = self.hysteresis.update(wanted)
         if _log_change(self.k_by_batch_size, num_decode_requests, k, "goodput"):
-            log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in self.acceptance.rates()))
+            log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in alpha))
         return k
+
+    def gate(self, batch_size: int, k: int, pending_tokens: int, horizon: int) -> int:
+        """Drafts for one request: k if catching its drafter up (``pending_tokens``) pays back over
+        ``horizon`` more tokens, else 0."""
+        if k == 0 or pending_tokens <= 1:
+            return k
+        plain, spec = self.itl(batch_size, 0), self.itl(batch_size, k)
+        if plain is None or spec is None:
+            return k
+        al = acceptance_length(self.acceptance.rates(), k)
+        saved_per_token = plain / batch_size - spec / (batch_size * al)
+        catchup = self.costs.catchup_ms_per_token() * (pending_tokens - 1)
+        if catchup <= saved_per_token * horizon:
+            return k
+        self.num_gated += 1
+        return 0
 
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
         self.acceptance.observe(num_drafts, num_accepted)
+
+    def observe_timing(self, timing: StepTiming) -> None:
+        self.costs.observe(timing)
 
     def snapshot(self) -> dict:
         return {
@@ -156,6 +222,8 @@ class GoodputK:
             "k": self.hysteresis.current,
             "k_by_batch_size": dict(sorted(self.k_by_batch_size.items())),
             "acceptance_rate_per_pos": [round(a, 4) for a in self.acceptance.rates()],
+            "requests_gated": self.num_gated,
+            "cost_model": self.costs.snapshot(),
         }
 
 

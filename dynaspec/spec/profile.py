@@ -5,17 +5,22 @@
  "acceptance_rate_per_pos": [0.82, 0.66, 0.53, 0.42, 0.33],
  "batch_stats": {"1": {"0": 205.1, "1": 260.3, ...}, "2": {...}},
  "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 8, 2], [9, 32, 0]],
+ "cost_model": {"target_ms": [a, b, c], "draft_pass_ms": [d, e, f]},
  "meta": {"model": ..., "cpu": ..., "torch": ..., "date": ...}}
 ```
-``batch_stats`` holds ITL(bs, K), the median engine step time in milliseconds.
+``batch_stats`` holds ITL(bs, K), the median engine step time in milliseconds. ``cost_model``
+(optional) holds the pass-time coefficients fitted on every step the profiler timed (see
+``dynaspec.spec.cost``): target ms = a + b*verify_tokens + c*prefill_tokens, drafter pass ms =
+d + e*rows + f*catch-up tokens.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass(slots=True)
@@ -24,6 +29,7 @@ class Profile:
     acceptance_rate_per_pos: list[float]  # [max K] unconditional α_i
     batch_stats: dict[int, dict[int, float]]  # bs -> K -> ITL ms
     num_speculative_tokens_per_batch_size: list[list[int]] = field(default_factory=list)
+    cost_model: dict[str, list[float]] | None = None  # {"target_ms": [a, b, c], "draft_pass_ms": [d, e, f]}
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -32,6 +38,7 @@ class Profile:
             "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
             "batch_stats": {str(bs): {str(k): t for k, t in sorted(row.items())} for bs, row in sorted(self.batch_stats.items())},
             "num_speculative_tokens_per_batch_size": self.num_speculative_tokens_per_batch_size,
+            **({"cost_model": self.cost_model} if self.cost_model is not None else {}),
             "meta": self.meta,
         }
 
@@ -78,8 +85,19 @@ def load_profile(path: str | Path) -> Profile:
     table = d.get("num_speculative_tokens_per_batch_size", [])
     if not isinstance(table, list):
         raise bad("num_speculative_tokens_per_batch_size", "must be a list of [lo, hi, K]")
+    cost_model = d.get("cost_model")
+    if cost_model is not None:
+        ok = isinstance(cost_model, dict) and all(
+            isinstance(cost_model.get(key), list)
+            and len(cost_model[key]) == 3
+            and all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in cost_model[key])
+            for key in ("target_ms", "draft_pass_ms")
+        )
+        if not ok:
+            raise bad("cost_model", 'must be {"target_ms": [3 numbers], "draft_pass_ms": [3 numbers]}')
+        cost_model = {key: [float(c) for c in cost_model[key]] for key in ("target_ms", "draft_pass_ms")}
     meta = d.get("meta", {})
-    return Profile(max_k, [float(a) for a in alpha], batch_stats, table, meta if isinstance(meta, dict) else {})
+    return Profile(max_k, [float(a) for a in alpha], batch_stats, table, cost_model, meta if isinstance(meta, dict) else {})
 
 
 def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k: int) -> float | None:
@@ -101,13 +119,23 @@ def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k
 
 
 def best_k(alpha: list[float], batch_stats: dict[int, dict[int, float]], batch_size: int, max_k: int) -> int:
-    """argmax_K AL(K) / ITL(bs, K); ties go to the smaller K; 0 when nothing is known."""
+    """argmax_K AL(K) / ITL(bs, K) over the profiled grid; ties go to the smaller K; 0 when nothing is known."""
+    return argmax_goodput(alpha, lambda k: interpolate_itl(batch_stats, batch_size, k), max_k)
+
+
+def acceptance_length(alpha: list[float], k: int) -> float:
+    """Expected tokens per step with K drafts: 1 + sum of the unconditional α_1..α_K."""
+    return 1.0 + sum(alpha[:k])
+
+
+def argmax_goodput(alpha: list[float], itl: Callable[[int], float | None], max_k: int) -> int:
+    """argmax_K AL(K) / itl(K) for K in 0..max_k; unknown (None) or non-positive times are skipped."""
     best, best_score = 0, None
     for k in range(max_k + 1):
-        itl = interpolate_itl(batch_stats, batch_size, k)
-        if itl is None:
+        t = itl(k)
+        if t is None or t <= 0:
             continue
-        score = (1.0 + sum(alpha[:k])) / itl
+        score = acceptance_length(alpha, k) / t
         if best_score is None or score > best_score * (1 + 1e-9):
             best, best_score = k, score
     return best

@@ -3,6 +3,9 @@
 Everything runs in this process on one engine: acceptance comes from generating on a dataset at
 the maximum K; ITL(bs, K) is the median wall time of an engine step (draft + verify + sample) with
 exactly bs requests decoding, after warm-up steps, cycling K over 0..max with the same requests.
+Every step of both phases is also timed pass by pass (target; each drafter pass, catch-ups
+included) and fitted into the profile's ``cost_model``, the prior of the goodput policy's live
+cost model.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from tqdm import tqdm
 from dynaspec.bench.common import environment
 from dynaspec.engine.engine import Engine
 from dynaspec.sampling_params import SamplingParams
+from dynaspec.spec.cost import StepTiming, fit_timings
 from dynaspec.spec.policy import FixedK
 from dynaspec.spec.profile import Profile, derive_table
 
@@ -34,7 +38,9 @@ class ProfileSettings:
     temperature: float = 0.0
 
 
-def measure_acceptance(engine: Engine, prompts: list, settings: ProfileSettings, progress: bool = True) -> list[float]:
+def measure_acceptance(
+    engine: Engine, prompts: list, settings: ProfileSettings, progress: bool = True, timings: list | None = None
+) -> list[float]:
     """α_i for i = 1..max_k, from generating on ``prompts`` with K fixed at max_k."""
     engine.scheduler.k_chooser = FixedK(settings.max_k)
     before = engine.counters.spec.accepted_per_pos[:], engine.counters.spec.drafted_per_pos[:]
@@ -44,7 +50,7 @@ def measure_acceptance(engine: Engine, prompts: list, settings: ProfileSettings,
         engine.add_request(p, params)
     with tqdm(total=len(chosen), desc="acceptance", unit="req", disable=not progress) as bar:
         while engine.has_unfinished():
-            bar.update(sum(o.finished for o in engine.step()))
+            bar.update(sum(o.finished for o in _step(engine, timings)))
     stats = engine.counters.spec
     rates = []
     for i in range(settings.max_k):
@@ -54,7 +60,9 @@ def measure_acceptance(engine: Engine, prompts: list, settings: ProfileSettings,
     return rates
 
 
-def measure_itl(engine: Engine, prompts: list, settings: ProfileSettings, progress: bool = True) -> dict[int, dict[int, float]]:
+def measure_itl(
+    engine: Engine, prompts: list, settings: ProfileSettings, progress: bool = True, timings: list | None = None
+) -> dict[int, dict[int, float]]:
     """Median step time in ms for each batch size and K = 0..max_k."""
     batch_stats: dict[int, dict[int, float]] = {}
     cells = len(settings.batch_sizes) * (settings.max_k + 1)
@@ -67,14 +75,14 @@ def measure_itl(engine: Engine, prompts: list, settings: ProfileSettings, progre
             requests = [engine.add_request(prompts[i % len(prompts)], params) for i in range(bs)]
             engine.scheduler.k_chooser = FixedK(0)
             while not all(r.is_decoding for r in requests):  # prefill everyone first
-                engine.step()
+                _step(engine, timings)
             batch_stats[bs] = {}
             for k in range(settings.max_k + 1):
                 engine.scheduler.k_chooser = FixedK(k)
                 times = []
                 for step in range(steps_per_cell):
                     start = time.perf_counter()
-                    engine.step()
+                    _step(engine, timings)
                     if step >= settings.warmup_steps:
                         times.append((time.perf_counter() - start) * 1000)
                 batch_stats[bs][k] = round(statistics.median(times), 3)
@@ -86,9 +94,10 @@ def measure_itl(engine: Engine, prompts: list, settings: ProfileSettings, progre
 
 def run_profile(engine: Engine, prompts: list, settings: ProfileSettings, meta: dict, progress: bool = True) -> Profile:
     policy = engine.scheduler.k_chooser
+    timings: list[StepTiming] = []
     try:
-        alpha = measure_acceptance(engine, prompts, settings, progress)
-        batch_stats = measure_itl(engine, prompts, settings, progress)
+        alpha = measure_acceptance(engine, prompts, settings, progress, timings)
+        batch_stats = measure_itl(engine, prompts, settings, progress, timings)
     finally:
         engine.scheduler.k_chooser = policy
     return Profile(
@@ -96,6 +105,7 @@ def run_profile(engine: Engine, prompts: list, settings: ProfileSettings, meta: 
         acceptance_rate_per_pos=[round(a, 4) for a in alpha],
         batch_stats=batch_stats,
         num_speculative_tokens_per_batch_size=derive_table(alpha, batch_stats, settings.max_k),
+        cost_model=fit_timings(timings),
         meta={
             **meta,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -114,6 +124,13 @@ def run_profile(engine: Engine, prompts: list, settings: ProfileSettings, meta: 
             },
         },
     )
+
+
+def _step(engine: Engine, timings: list | None) -> list:
+    outputs = engine.step()
+    if timings is not None and engine.last_timing is not None:
+        timings.append(engine.last_timing)
+    return outputs
 
 
 def _at(values: list[int], i: int) -> int:

@@ -1,0 +1,109 @@
+"""The live step-cost model and the goodput policy's catch-up gate: pure functions, no model."""
+
+import json
+
+import pytest
+
+from dynaspec.spec.cost import OnlineLinear, StepCostModel, StepTiming, fit_timings, prior_from_grid
+from dynaspec.spec.policy import GoodputK
+from dynaspec.spec.profile import Profile, load_profile, save_profile
+
+# a machine where a target step costs 100 + 5/verify token + 3/prefill token, a drafter pass 10 + 2/row + 1/catch-up token
+TARGET, DRAFT = [100.0, 5.0, 3.0], [10.0, 2.0, 1.0]
+
+
+def itl(bs, k):
+    return TARGET[0] + TARGET[1] * bs * (k + 1) + k * (DRAFT[0] + DRAFT[1] * bs)
+
+
+GRID = {bs: {k: itl(bs, k) for k in range(5)} for bs in (1, 4, 16, 64)}
+
+
+def timing(bs, k, prefill=0, catchup=0, scale=1.0):
+    target = scale * (TARGET[0] + TARGET[1] * bs * (k + 1) + TARGET[2] * prefill)
+    passes = [(bs, catchup if j == 0 else 0, scale * (DRAFT[0] + DRAFT[1] * bs + DRAFT[2] * (catchup if j == 0 else 0))) for j in range(k)]
+    return StepTiming(bs * (k + 1), prefill, target, passes)
+
+
+def test_online_linear_starts_at_prior_and_converges_to_live_data():
+    model = OnlineLinear([1.0, 1.0], [1.0, 10.0])
+    assert model.predict([1, 10]) == pytest.approx(11.0)
+    for i in range(300):
+        x = i % 20
+        model.observe([1.0, x], 50.0 + 2.0 * x)
+    assert model.predict([1, 10]) == pytest.approx(70.0, rel=0.03)
+    before = model.coef.copy()
+    for bad in (float("nan"), float("inf"), -1.0, 0.0, "x"):
+        model.observe([1.0, 3.0], bad)  # ignored, never raises
+    assert (model.coef == before).all()
+
+
+def test_prior_from_grid_recovers_a_linear_machine():
+    target, draft = prior_from_grid(GRID)
+    assert target[:2] == pytest.approx(TARGET[:2], abs=1e-3)
+    assert draft[:2] == pytest.approx(DRAFT[:2], abs=1e-3)
+    assert prior_from_grid({}) == ([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+    assert prior_from_grid({1: {0: 0.0}}) == ([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+
+
+def test_fit_timings_separates_prefill_and_catchup_costs():
+    steps = [timing(bs, k, prefill=p, catchup=c) for bs in (1, 3, 8) for k in (0, 2, 4) for p in (0, 100) for c in (0, 50)]
+    fitted = fit_timings(steps)
+    assert fitted["target_ms"] == pytest.approx(TARGET, abs=1e-3)
+    assert fitted["draft_pass_ms"] == pytest.approx(DRAFT, abs=1e-3)
+    assert fit_timings([timing(2, 0)])["draft_pass_ms"] == [0.0, 0.0, 0.0]  # no drafter pass seen
+
+
+def test_drift_follows_a_slower_machine():
+    costs = StepCostModel(TARGET, DRAFT)
+    assert costs.drift(8, 3) == pytest.approx(1.0)
+    for i in range(200):
+        costs.observe(timing(1 + i % 8, i % 4, prefill=(i % 3) * 50, catchup=(i % 5) * 20, scale=1.5))
+    assert costs.drift(8, 3) == pytest.approx(1.5, rel=0.03)
+    assert costs.catchup_ms_per_token() == pytest.approx(1.5 * DRAFT[2], rel=0.05)
+
+
+def test_live_costs_move_k():
+    policy = GoodputK(Profile(4, [0.9, 0.85, 0.8, 0.75], GRID, cost_model={"target_ms": TARGET, "draft_pass_ms": DRAFT}), 4, 1)
+    k_before = policy.choose(16)
+    assert k_before > 0
+    for _ in range(300):  # the drafter turns 10x slower than profiled
+        policy.observe_timing(StepTiming(16, 0, itl(16, 0) - 0.0, [(16, 0, 10 * (DRAFT[0] + DRAFT[1] * 16))]))
+        policy.observe_timing(StepTiming(16 * 4, 0, TARGET[0] + TARGET[1] * 64, [(16, 0, 10 * (DRAFT[0] + DRAFT[1] * 16))] * 3))
+    assert policy.choose(16) < k_before
+
+
+def test_gate_pays_catchup_only_when_the_request_has_tokens_left():
+    policy = GoodputK(Profile(4, [0.9, 0.85, 0.8, 0.75], GRID, cost_model={"target_ms": TARGET, "draft_pass_ms": [10.0, 2.0, 5.0]}), 4, 1)
+    k = policy.choose(4)
+    assert k > 0
+    saved = itl(4, 0) / 4 - itl(4, k) / (4 * (1 + sum([0.9, 0.85, 0.8, 0.75][:k])))
+    assert saved > 0
+    pending = 200  # a new request: the drafter has not seen its prompt; catching up costs 5 ms/token
+    horizon_even = 5.0 * (pending - 1) / saved
+    assert policy.gate(4, k, pending, int(horizon_even) + 2) == k  # long output ahead: worth it
+    assert policy.gate(4, k, pending, int(horizon_even) - 2) == 0  # nearly done: not worth it
+    assert policy.gate(4, k, 1, 1) == k  # caught up: nothing to pay
+    assert policy.gate(4, 0, pending, 10_000) == 0
+    assert policy.snapshot()["requests_gated"] == 1
+
+
+def test_gate_and_costs_never_crash_on_empty_data():
+    policy = GoodputK(Profile(3, [], {}), 3)
+    assert policy.gate(4, 2, 100, 10) == 2  # nothing known: no basis to refuse
+    policy.observe_timing(StepTiming(0, 0, 0.0, []))
+    policy.observe_timing(StepTiming(3, 5, float("nan"), [(1, 0, 0.0)]))
+    assert policy.choose(3) == 0
+    assert "cost_model" in policy.snapshot()
+
+
+def test_cost_model_round_trips_and_bad_one_is_refused(tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(Profile(2, [0.5, 0.4], {1: {0: 10.0}}, [[1, 1, 0]], {"target_ms": TARGET, "draft_pass_ms": DRAFT}), path)
+    assert load_profile(path).cost_model == {"target_ms": TARGET, "draft_pass_ms": DRAFT}
+    data = json.loads(path.read_text())
+    for bad in ({"target_ms": [1, 2]}, {"target_ms": TARGET, "draft_pass_ms": [1, "x", 3]}, [1, 2, 3]):
+        data["cost_model"] = bad
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="profile .*cost_model"):
+            load_profile(path)
