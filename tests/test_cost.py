@@ -1,12 +1,12 @@
-"""The live step-cost model and the goodput policy's catch-up gate: pure functions, no model."""
+"""The live step-cost model and the goodput policy's choice of who drafts: pure functions, no model."""
 
 import json
 
 import pytest
 
 from dynaspec.spec.cost import OnlineLinear, StepCostModel, StepTiming, fit_timings, prior_from_grid
-from dynaspec.spec.policy import GoodputK
-from dynaspec.spec.profile import Profile, load_profile, save_profile
+from dynaspec.spec.policy import DraftCandidate, GoodputK
+from dynaspec.spec.profile import Profile, best_k, load_profile, save_profile
 
 # a machine where a target step costs 100 + 5/verify token + 3/prefill token, a drafter pass 10 + 2/row + 1/catch-up token
 TARGET, DRAFT = [100.0, 5.0, 3.0], [10.0, 2.0, 1.0]
@@ -73,24 +73,46 @@ def test_live_costs_move_k():
     assert policy.choose(16) < k_before
 
 
-def test_gate_pays_catchup_only_when_the_request_has_tokens_left():
-    policy = GoodputK(Profile(4, [0.9, 0.85, 0.8, 0.75], GRID, cost_model={"target_ms": TARGET, "draft_pass_ms": [10.0, 2.0, 5.0]}), 4, 1)
-    k = policy.choose(4)
+ALPHA4 = [0.9, 0.85, 0.8, 0.75]
+
+
+def goodput(catchup_ms_per_token=5.0, hysteresis=1):
+    cost_model = {"target_ms": TARGET, "draft_pass_ms": [DRAFT[0], DRAFT[1], catchup_ms_per_token]}
+    return GoodputK(Profile(4, ALPHA4, GRID, cost_model=cost_model), 4, hysteresis)
+
+
+def test_caught_up_batch_gets_the_plain_goodput_k():
+    policy = goodput()
+    for bs in (1, 4, 16, 64):
+        k, drafts = policy.choose_drafts([DraftCandidate(1, 100)] * bs)
+        assert k == best_k(ALPHA4, GRID, bs, 4) and drafts == [k] * bs
+        policy.hysteresis.current = None
+
+
+def test_catchup_is_paid_only_when_the_request_has_tokens_left():
+    policy = goodput()
+    k, _ = policy.choose_drafts([DraftCandidate(1, 100)] * 4)
     assert k > 0
-    saved = itl(4, 0) / 4 - itl(4, k) / (4 * (1 + sum([0.9, 0.85, 0.8, 0.75][:k])))
-    assert saved > 0
-    pending = 200  # a new request: the drafter has not seen its prompt; catching up costs 5 ms/token
-    horizon_even = 5.0 * (pending - 1) / saved
-    assert policy.gate(4, k, pending, int(horizon_even) + 2) == k  # long output ahead: worth it
-    assert policy.gate(4, k, pending, int(horizon_even) - 2) == 0  # nearly done: not worth it
-    assert policy.gate(4, k, 1, 1) == k  # caught up: nothing to pay
-    assert policy.gate(4, 0, pending, 10_000) == 0
-    assert policy.snapshot()["requests_gated"] == 1
+    # a new request (the drafter has not seen its 200-token prompt, 5 ms per token to catch up)
+    long_ahead = [DraftCandidate(1, 100)] * 3 + [DraftCandidate(200, 10_000)]
+    assert policy.choose_drafts(long_ahead) == (k, [k] * 4)
+    nearly_done = [DraftCandidate(1, 100)] * 3 + [DraftCandidate(200, 3)]
+    assert policy.choose_drafts(nearly_done) == (k, [k, k, k, 0])
+    assert policy.snapshot()["requests_withheld"] == 1
 
 
-def test_gate_and_costs_never_crash_on_empty_data():
+def test_no_drafting_at_all_when_nobody_is_caught_up_and_catchup_cannot_pay():
+    policy = goodput(catchup_ms_per_token=50.0)
+    k, drafts = policy.choose_drafts([DraftCandidate(300, 20)] * 8)
+    assert drafts == [0] * 8 and k == 0
+    cheap = goodput(catchup_ms_per_token=0.0)  # free catch-up: everyone drafts at the plain K
+    assert cheap.choose_drafts([DraftCandidate(300, 20)] * 8) == (best_k(ALPHA4, GRID, 8, 4), [best_k(ALPHA4, GRID, 8, 4)] * 8)
+
+
+def test_drafting_and_costs_never_crash_on_empty_data():
     policy = GoodputK(Profile(3, [], {}), 3)
-    assert policy.gate(4, 2, 100, 10) == 2  # nothing known: no basis to refuse
+    assert policy.choose_drafts([]) == (0, [])
+    assert policy.choose_drafts([DraftCandidate(100, 10)] * 4) == (0, [0] * 4)
     policy.observe_timing(StepTiming(0, 0, 0.0, []))
     policy.observe_timing(StepTiming(3, 5, float("nan"), [(1, 0, 0.0)]))
     assert policy.choose(3) == 0

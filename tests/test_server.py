@@ -95,3 +95,24 @@ def test_metrics_move(server):
 def test_health(server):
     base, _, _ = server
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+
+
+def test_goodput_policy_state_in_metrics(tmp_path, target_dir):
+    """A goodput server whose profile prices drafter catch-up out of reach: /metrics shows the K it
+    chose (0: no prompt is worth catching up on), the withheld counter and the acceptance estimates."""
+    from dynaspec.spec.profile import Profile, save_profile
+
+    stats = {bs: {0: 100.0, 1: 10.0, 2: 10.0} for bs in (1, 8)}
+    save_profile(Profile(2, [0.9, 0.8], stats, cost_model={"target_ms": [1.0, 0.0, 0.0], "draft_pass_ms": [0.01, 0.0, 1e6]}),
+                 tmp_path / "p.json")
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 2,
+            "dynamic_config_path": str(tmp_path / "p.json")}
+    with running_server(target_dir, speculative_config=spec) as (base, _):
+        r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "import os", "max_tokens": 6,
+                                                       "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200
+        m = metrics(base)
+    assert m["dynaspec:spec_decode_requests_withheld_total"] == 0
+    assert m['dynaspec:spec_decode_k{"batch_size": "1"}'] == 0
+    assert m["dynaspec:spec_decode_num_draft_tokens_total"] == 0  # the drafter never ran
+    assert m['dynaspec:spec_decode_acceptance_estimate{"position": "0"}'] == pytest.approx(0.9)

@@ -92,10 +92,10 @@ def test_draft_with_another_tokenizer_is_refused(target_dir, tmp_path):
 
 
 @pytest.mark.parametrize("catchup_ms", [0.0, 1e6])
-def test_goodput_gate_skips_drafter_catchup_that_cannot_pay(tmp_path, target_dir, draft_dir, plain, catchup_ms):
-    """A profile where K = 3 is far cheaper than K = 0 wants K = 3 whatever the live costs; the
-    catch-up price decides whether new requests get drafts at all. Either way the output is the
-    plain one."""
+def test_goodput_withholds_drafts_whose_catchup_cannot_pay(tmp_path, target_dir, draft_dir, plain, catchup_ms):
+    """A profile where K = 3 is far cheaper than K = 0 wants K = 3 whatever the live costs once the
+    drafter is caught up; the catch-up price decides whether new requests get drafts at all.
+    Either way the output is the plain one."""
     from dynaspec.spec.profile import Profile, save_profile
 
     stats = {bs: {0: 100.0, 1: 10.0, 2: 10.0, 3: 10.0} for bs in (1, 8)}
@@ -109,8 +109,8 @@ def test_goodput_gate_skips_drafter_catchup_that_cannot_pay(tmp_path, target_dir
     engine.proposer.runner.run = lambda runs: calls.append(len(runs)) or original(runs)
     assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
     snapshot = engine.stats()["spec"]["policy"]
-    if catchup_ms:  # prompts would cost 1e6 ms per token to catch up: K = 3 is chosen, no request drafts
-        assert calls == [] and snapshot["requests_gated"] > 0
+    if catchup_ms:  # prompts would cost 1e6 ms per token to catch up: no request ever drafts
+        assert calls == [] and set(snapshot["k_by_batch_size"].values()) == {0}
     else:  # catching up is free: requests draft (until live acceptance and costs say otherwise)
-        assert calls and snapshot["requests_gated"] == 0
+        assert calls and snapshot["requests_withheld"] == 0
         assert snapshot["cost_model"]["observations"]["draft_passes"] == len(calls)

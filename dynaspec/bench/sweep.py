@@ -4,8 +4,11 @@ at several concurrencies, side by side in one run.
 Each concurrency C runs a closed loop: C requests in flight, a new prompt joins as one finishes,
 4·C prompts in all. One engine with the drafter serves every speculative configuration (only the
 K policy is swapped, so weights and caches are shared); "none" is a separate engine without a
-drafter. The order of configurations rotates from one concurrency to the next so slow drift of
-the machine does not favour one of them.
+drafter. The order of configurations rotates from one concurrency (and round) to the next so slow
+drift of the machine does not favour one of them. ``--rounds R`` (default 2) splits a
+concurrency's prompts into R rounds; each round runs every configuration on its share, in reversed
+order every other round (A B C … C B A), so a machine that slows down or speeds up linearly favours
+no one. A row pools its rounds (tokens / wall time) and keeps each round's rate.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -33,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts-per-concurrency", type=int, default=4, help="prompts = this x concurrency")
     p.add_argument("--fixed-ks", default="1,3,5")
     p.add_argument("--max-tokens", type=int, default=48, help="output cap per request (keeps the sweep short)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="split each concurrency's prompts into this many rounds; every round runs all configurations, "
+                        "in reversed order every other round (ABBA), so linear drift of the machine cancels")
     p.add_argument("--result-file", default="results/sweep.json")
     p.add_argument("--plot", default=None, help="PNG of throughput and TPOT against concurrency")
     p.set_defaults(func=run)
@@ -48,6 +54,21 @@ class RunResult:
     acceptance_length: float | None
     token_ids: list[list[int]]
     policy: dict | None = None  # the K policy's snapshot after the run (K per batch size, gates, costs)
+    drafts: int = 0
+    accepted: int = 0
+    rates: list[float] = field(default_factory=list)  # output tok/s of each round
+
+    def merge(self, other: RunResult) -> None:
+        """Pool another round of the same (concurrency, config)."""
+        self.output_tokens += other.output_tokens
+        self.wall_s += other.wall_s
+        self.tpot_ms += other.tpot_ms
+        self.token_ids += other.token_ids  # rounds run in the same order for every configuration
+        self.drafts += other.drafts
+        self.accepted += other.accepted
+        self.acceptance_length = (1 + self.accepted / self.drafts) if self.drafts else None
+        self.rates += other.rates
+        self.policy = other.policy or self.policy
 
     def row(self) -> dict:
         return {
@@ -59,6 +80,7 @@ class RunResult:
             "tpot_mean_ms": round(statistics.fmean(self.tpot_ms), 2) if self.tpot_ms else None,
             "tpot_median_ms": round(statistics.median(self.tpot_ms), 2) if self.tpot_ms else None,
             "acceptance_length": None if self.acceptance_length is None else round(self.acceptance_length, 3),
+            "tokens_per_s_by_round": [round(r, 3) for r in self.rates],
             **({"policy": self.policy} if self.policy else {}),
         }
 
@@ -120,29 +142,32 @@ def run(args: argparse.Namespace) -> int:
     configs = ["none", *policies]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
 
-    results: list[RunResult] = []
+    if args.rounds < 1:
+        raise ValueError("--rounds: must be >= 1")
+    for engine in engines.values():  # first-call overheads (allocations, kernel selection) off the clock
+        closed_loop(engine, prompts[:2], 2, SamplingParams(max_tokens=4, temperature=0.0))
+
+    pooled: dict[tuple[int, str], RunResult] = {}
     cursor = 0
-    with tqdm(total=len(concurrencies) * len(configs), desc="sweep", unit="run") as bar:
+    with tqdm(total=len(concurrencies) * len(configs) * args.rounds, desc="sweep", unit="run") as bar:
         for ci, c in enumerate(concurrencies):
             chosen = [prompts[(cursor + i) % len(prompts)] for i in range(args.prompts_per_concurrency * c)]
             cursor += len(chosen)
             order = configs[ci % len(configs):] + configs[: ci % len(configs)]
-            for name in order:
-                engine = engines["none" if name == "none" else "spec"]
-                if name != "none":
-                    engine.scheduler.k_chooser = policies[name]()
-                before = (engine.counters.spec.num_drafts, engine.counters.spec.num_accepted_tokens)
-                wall, requests, tpot = closed_loop(engine, chosen, c, params)
-                drafts = engine.counters.spec.num_drafts - before[0]
-                accepted = engine.counters.spec.num_accepted_tokens - before[1]
-                results.append(RunResult(
-                    concurrency=c, config=name, output_tokens=sum(len(r.output_token_ids) for r in requests),
-                    wall_s=wall, tpot_ms=tpot, acceptance_length=(1 + accepted / drafts) if drafts else None,
-                    token_ids=[r.output_token_ids for r in requests],
-                    policy=engine.scheduler.k_chooser.snapshot() if name != "none" else None,
-                ))
-                bar.update(1)
+            for rnd in range(args.rounds):
+                part = chosen[rnd * len(chosen) // args.rounds : (rnd + 1) * len(chosen) // args.rounds]
+                if not part:
+                    continue
+                for name in (order if rnd % 2 == 0 else order[::-1]):
+                    run = _run_config(engines, policies, name, part, c, params)
+                    if (c, name) in pooled:
+                        pooled[(c, name)].merge(run)
+                    else:
+                        pooled[(c, name)] = run
+                    bar.update(1)
+            results = list(pooled.values())
             _save(args.result_file, summarize(results, configs, concurrencies[: ci + 1]))  # partial, in case the run is cut
+    results = list(pooled.values())
     report = summarize(results, configs, concurrencies)
     report["command_args"] = {k: v for k, v in vars(args).items() if k != "func"}
     report["profile_table"] = table
@@ -157,6 +182,24 @@ def run(args: argparse.Namespace) -> int:
         plot_sweep(report, args.plot)
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _run_config(engines: dict, policies: dict, name: str, prompts: list, concurrency: int, params) -> RunResult:
+    engine = engines["none" if name == "none" else "spec"]
+    if name != "none":
+        engine.scheduler.k_chooser = policies[name]()  # fresh: no acceptance or cost history carried over
+    before = (engine.counters.spec.num_drafts, engine.counters.spec.num_accepted_tokens)
+    wall, requests, tpot = closed_loop(engine, prompts, concurrency, params)
+    drafts = engine.counters.spec.num_drafts - before[0]
+    accepted = engine.counters.spec.num_accepted_tokens - before[1]
+    tokens = sum(len(r.output_token_ids) for r in requests)
+    return RunResult(
+        concurrency=concurrency, config=name, output_tokens=tokens, wall_s=wall, tpot_ms=tpot,
+        acceptance_length=(1 + accepted / drafts) if drafts else None,
+        token_ids=[r.output_token_ids for r in requests],
+        policy=engine.scheduler.k_chooser.snapshot() if name != "none" else None,
+        drafts=drafts, accepted=accepted, rates=[tokens / wall if wall > 0 else 0.0],
+    )
 
 
 def _save(path: str | None, report: dict) -> None:
@@ -220,7 +263,10 @@ def plot_sweep(report: dict, path: str) -> None:
         rows = [r for r in report["rows"] if r["config"] == name]
         xs = [r["concurrency"] for r in rows]
         style = dict(linewidth=2.5, color="black") if name == "goodput" else {}
-        ax_tp.plot(xs, [r["output_tokens_per_s"] for r in rows], marker="o", label=name, **style)
+        ys = [r["output_tokens_per_s"] for r in rows]
+        spread = [[y - min(r.get("tokens_per_s_by_round") or [y]) for y, r in zip(ys, rows)],
+                  [max(r.get("tokens_per_s_by_round") or [y]) - y for y, r in zip(ys, rows)]]
+        ax_tp.errorbar(xs, ys, yerr=spread, marker="o", capsize=3, label=name, **style)
         ax_tpot.plot(xs, [r["tpot_median_ms"] for r in rows], marker="o", label=name, **style)
     for ax, label in ((ax_tp, "output tokens/s"), (ax_tpot, "TPOT median (ms)")):
         ax.set_xscale("log", base=2)

@@ -14,11 +14,11 @@ from typing import Callable, Protocol, Sequence
 
 from dynaspec.engine.kv_cache import BlockAllocator
 from dynaspec.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from dynaspec.spec.policy import DraftCandidate
 
 
 class KChooser(Protocol):
-    def choose(self, num_decode_requests: int) -> int: ...
-    def gate(self, batch_size: int, k: int, pending_tokens: int, horizon: int) -> int: ...
+    def choose_drafts(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]: ...
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None: ...
 
 
@@ -94,14 +94,16 @@ class Scheduler:
 
     def schedule(self) -> SchedulePlan:
         decodes = [r for r in self.running if r.is_decoding]
-        k = self.k_chooser.choose(len(decodes)) if self.k_chooser is not None else 0
+        k, wanted = 0, [0] * len(decodes)
+        if self.k_chooser is not None and decodes:
+            k, wanted = self.k_chooser.choose_drafts(
+                [DraftCandidate(self.pending_draft_tokens(r), r.max_new_tokens_left) for r in decodes]
+            )
         max_drafts: dict[str, int] = {}
-        for r in list(decodes):
+        for r, want in zip(list(decodes), wanted):
             if r.status is not RequestStatus.RUNNING:  # preempted to make room for an older one
                 continue
-            cap = min(k, max(0, r.max_new_tokens_left - 1))
-            if cap:
-                cap = self.k_chooser.gate(len(decodes), cap, self.pending_draft_tokens(r), r.max_new_tokens_left)
+            cap = min(want, max(0, r.max_new_tokens_left - 1))
             if not self._reserve(r, r.num_tokens + cap):
                 continue
             max_drafts[r.request_id] = cap

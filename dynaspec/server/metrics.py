@@ -86,6 +86,17 @@ class _EngineCollector:
         for bs, value in spec.get("policy", {}).get("k_by_batch_size", {}).items():
             k.add_metric([str(bs)], value)
         yield k
+        policy = spec.get("policy", {})
+        if "requests_withheld" in policy:
+            withheld = CounterMetricFamily("dynaspec:spec_decode_requests_withheld",
+                                           "Request-steps kept from drafting because drafter catch-up would not pay")
+            withheld.add_metric([], policy["requests_withheld"])
+            yield withheld
+            alpha = GaugeMetricFamily("dynaspec:spec_decode_acceptance_estimate", "Live acceptance estimate per position",
+                                      labels=["position"])
+            for i, a in enumerate(policy.get("acceptance_rate_per_pos", [])):
+                alpha.add_metric([str(i)], a)
+            yield alpha
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -3,7 +3,7 @@
 - ``FixedK``: always ``num_speculative_tokens``.
 - ``TableK``: the per-batch-size table (``num_speculative_tokens_per_batch_size``).
 - ``GoodputK``: K* = argmax_K AL(K) / ITL(bs, K) from a profile, with acceptance and step costs
-  that follow live traffic, and a per-request gate on drafter catch-up.
+  that follow live traffic, choosing K together with which requests draft (drafter catch-up).
 
 Table and goodput policies switch K only after the new choice has won ``hysteresis_steps``
 consecutive steps (the first choice is immediate), so K does not flip at a batch-size boundary.
@@ -13,6 +13,7 @@ Every division is guarded: empty or zero data never crashes a policy.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from dynaspec.spec.config import SpeculativeConfig, table_lookup
@@ -25,9 +26,17 @@ log = logging.getLogger(__name__)
 class KPolicy(Protocol):
     def choose(self, num_decode_requests: int) -> int: ...
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None: ...
-    def gate(self, batch_size: int, k: int, pending_tokens: int, horizon: int) -> int: ...
+    def choose_drafts(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]: ...
     def observe_timing(self, timing: StepTiming) -> None: ...
     def snapshot(self) -> dict: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DraftCandidate:
+    """A decoding request as the policy sees it when deciding who drafts."""
+
+    pending_tokens: int  # tokens the proposer must process before drafting (1 when caught up)
+    horizon: int  # tokens the request may still generate (max_tokens left)
 
 
 class Hysteresis:
@@ -64,8 +73,9 @@ class FixedK:
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
         pass
 
-    def gate(self, batch_size: int, k: int, pending_tokens: int, horizon: int) -> int:
-        return k
+    def choose_drafts(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
+        k = self.choose(len(candidates))
+        return k, [k] * len(candidates)
 
     def observe_timing(self, timing: StepTiming) -> None:
         pass
@@ -92,8 +102,9 @@ class TableK:
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
         pass
 
-    def gate(self, batch_size: int, k: int, pending_tokens: int, horizon: int) -> int:
-        return k
+    def choose_drafts(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
+        k = self.choose(len(candidates))
+        return k, [k] * len(candidates)
 
     def observe_timing(self, timing: StepTiming) -> None:
         pass
@@ -146,13 +157,21 @@ class AcceptanceEstimate:
 
 
 class GoodputK:
-    """K* = argmax_K AL(K) / ITL(bs, K), with live acceptance, live step costs, and a catch-up gate.
+    """K* = argmax AL(K) / ITL(bs, K), with live acceptance, live step costs, and who drafts.
 
     ITL(bs, K) is the profile's grid (interpolated), scaled by the drift the online cost model
-    (``dynaspec.spec.cost``) has seen between the profile and live steps. ``gate`` decides per
-    request whether drafting for it pays: a draft model must first catch up on every token it has
-    not seen (a new request's whole prompt), a one-time cost repaid by the time saved per token
-    over the tokens the request may still generate.
+    (``dynaspec.spec.cost``) has seen between the profile and live steps. ``choose_drafts`` picks K
+    and the requests that draft together: a draft model must first catch up on every token it
+    has not seen (a new request's whole prompt), a one-time cost that the request's future tokens
+    repay. Request i's catch-up, spread over the ``horizon`` tokens it may still generate, costs
+    c_i = catchup_ms_per_token * (pending_i - 1) / horizon_i per token. With requests sorted by c_i
+    (caught-up ones first), for every K and every n the step's goodput is
+
+        (bs + n (AL(K) - 1)) / (ITL(bs, 0) + ITL(n, K) - ITL(n, 0) + AL(K) * sum_{i<n} c_i)
+
+    (n drafting rows add their verification and drafter passes to a plain step of the whole
+    batch); the best (K, n) wins, with hysteresis on K. With everyone caught up this is the plain
+    argmax AL/ITL over n = bs.
     """
 
     def __init__(
@@ -174,7 +193,7 @@ class GoodputK:
             else:
                 cost_model = StepCostModel(*prior_from_grid(profile.batch_stats))
         self.costs = cost_model
-        self.num_gated = 0  # requests kept from drafting because catching the drafter up would not pay
+        self.num_withheld = 0  # request-steps kept from drafting because their catch-up would not pay
 
     def itl(self, batch_size: int, k: int) -> float | None:
         """ITL(bs, K) in ms: the profile's, times the live drift; the cost model's alone off the grid."""
@@ -185,30 +204,47 @@ class GoodputK:
         return base * self.costs.drift(batch_size, k)
 
     def choose(self, num_decode_requests: int) -> int:
-        if num_decode_requests == 0:
-            return 0
-        alpha = self.acceptance.rates()
-        wanted = argmax_goodput(alpha, lambda k: self.itl(num_decode_requests, k), self.max_k)
-        k = self.hysteresis.update(wanted)
-        if _log_change(self.k_by_batch_size, num_decode_requests, k, "goodput"):
-            log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in alpha))
-        return k
+        """K for a batch whose drafter is caught up everywhere."""
+        return self.choose_drafts([DraftCandidate(1, 1)] * num_decode_requests)[0]
 
-    def gate(self, batch_size: int, k: int, pending_tokens: int, horizon: int) -> int:
-        """Drafts for one request: k if catching its drafter up (``pending_tokens``) pays back over
-        ``horizon`` more tokens, else 0."""
-        if k == 0 or pending_tokens <= 1:
-            return k
-        plain, spec = self.itl(batch_size, 0), self.itl(batch_size, k)
-        if plain is None or spec is None:
-            return k
-        al = acceptance_length(self.acceptance.rates(), k)
-        saved_per_token = plain / batch_size - spec / (batch_size * al)
-        catchup = self.costs.catchup_ms_per_token() * (pending_tokens - 1)
-        if catchup <= saved_per_token * horizon:
-            return k
-        self.num_gated += 1
-        return 0
+    def choose_drafts(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
+        bs = len(candidates)
+        if bs == 0:
+            return 0, []
+        alpha = self.acceptance.rates()
+        per_token = self.costs.catchup_ms_per_token()
+        cost = [per_token * (c.pending_tokens - 1) / max(1, c.horizon) if c.pending_tokens > 1 else 0.0 for c in candidates]
+        order = sorted(range(bs), key=cost.__getitem__)
+        prefix = [0.0]
+        for i in order:
+            prefix.append(prefix[-1] + cost[i])
+        scores = self._scores(bs, alpha, prefix)  # {(k, n): goodput}
+        wanted = max(scores, key=lambda kn: (scores[kn], -kn[0], kn[1]))[0] if scores else 0
+        k = self.hysteresis.update(wanted)
+        n = max((kn for kn in scores if kn[0] == k), key=lambda kn: (scores[kn], kn[1]), default=(k, 0))[1] if k else 0
+        drafts = [0] * bs
+        for i in order[:n]:
+            drafts[i] = k
+        self.num_withheld += bs - n if k else 0
+        if _log_change(self.k_by_batch_size, bs, k, "goodput"):
+            log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in alpha))
+        return k, drafts
+
+    def _scores(self, bs: int, alpha: list[float], prefix: list[float]) -> dict[tuple[int, int], float]:
+        plain = self.itl(bs, 0)
+        if plain is None:
+            return {}
+        scores = {(0, 0): bs / plain}
+        row_plain = {n: self.itl(n, 0) for n in range(1, bs + 1)}
+        for k in range(1, self.max_k + 1):
+            al = acceptance_length(alpha, k)
+            for n in range(1, bs + 1):
+                spec, base = self.itl(n, k), row_plain[n]
+                if spec is None or base is None:
+                    continue
+                step = plain + max(0.0, spec - base) + al * prefix[n]
+                scores[(k, n)] = (bs + n * (al - 1)) / step
+        return scores
 
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
         self.acceptance.observe(num_drafts, num_accepted)
@@ -222,7 +258,7 @@ class GoodputK:
             "k": self.hysteresis.current,
             "k_by_batch_size": dict(sorted(self.k_by_batch_size.items())),
             "acceptance_rate_per_pos": [round(a, 4) for a in self.acceptance.rates()],
-            "requests_gated": self.num_gated,
+            "requests_withheld": self.num_withheld,
             "cost_model": self.costs.snapshot(),
         }
 
