@@ -14,7 +14,7 @@ $DS profile --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC --dat
     --output results/profile_qwen_pair_humaneval.json --plot results/goodput_qwen_pair_humaneval.png 2>&1 | tee results/profile.log
 $DS bench sweep --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC \
     --profile results/profile_qwen_pair_humaneval.json --dataset humaneval --concurrency 1,2,4,8,16,32 \
-    --prompts-per-concurrency 4 --max-tokens 32 --result-file results/sweep.json --plot results/sweep.png 2>&1 | tee results/sweep.log
+    --prompts-per-concurrency 4 --max-tokens 24 --rounds 2 --result-file results/sweep.json --plot results/sweep.png 2>&1 | tee results/sweep.log
 # serving: a real server with speculation, and the streaming client against it
 $DS serve --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC --port 8011 > results/serve_server.log 2>&1 &
 SERVER=$!

@@ -63,12 +63,11 @@ class Hysteresis:
         return self.current
 
 
-class FixedK:
-    def __init__(self, k: int) -> None:
-        self.k = k
+class _SameKForAll:
+    """Policies that learn nothing live: one K per step, every decode drafts it."""
 
     def choose(self, num_decode_requests: int) -> int:
-        return self.k if num_decode_requests else 0
+        raise NotImplementedError
 
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
         pass
@@ -80,11 +79,19 @@ class FixedK:
     def observe_timing(self, timing: StepTiming) -> None:
         pass
 
+
+class FixedK(_SameKForAll):
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def choose(self, num_decode_requests: int) -> int:
+        return self.k if num_decode_requests else 0
+
     def snapshot(self) -> dict:
         return {"policy": "fixed", "k": self.k}
 
 
-class TableK:
+class TableK(_SameKForAll):
     def __init__(self, table: Sequence[Sequence[int]], max_k: int, hysteresis_steps: int = 3) -> None:
         self.table = tuple(tuple(r) for r in table)
         self.max_k = max_k
@@ -98,16 +105,6 @@ class TableK:
         k = self.hysteresis.update(wanted)
         _log_change(self.k_by_batch_size, num_decode_requests, k, "table")
         return k
-
-    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
-        pass
-
-    def choose_drafts(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
-        k = self.choose(len(candidates))
-        return k, [k] * len(candidates)
-
-    def observe_timing(self, timing: StepTiming) -> None:
-        pass
 
     def snapshot(self) -> dict:
         return {"policy": "table", "k": self.hysteresis.current, "k_by_batch_size": dict(sorted(self.k_by_batch_size.items()))}
