@@ -6,7 +6,7 @@ import pytest
 
 from dynaspec.spec.config import SpeculativeConfig, table_lookup
 from dynaspec.spec.policy import AcceptanceEstimate, FixedK, GoodputK, Hysteresis, TableK, make_policy
-from dynaspec.spec.profile import Profile, best_k, derive_table, interpolate_itl, load_profile, save_profile
+from dynaspec.spec.profile import Profile, best_k, derive_table, interpolate_itl, load_profile, save_profile, smooth_itl
 
 # verification is cheap at small batch sizes and expensive at large ones, as on a real machine
 STATS = {
@@ -120,3 +120,33 @@ def test_malformed_profile_is_refused(tmp_path, content, field):
         load_profile(path)
     with pytest.raises(ValueError, match="profile .*"):
         make_policy(SpeculativeConfig.parse({"method": "ngram", "dynamic_config_path": str(path)}))
+
+
+def test_smoothing_removes_a_noisy_dip_that_would_flip_k():
+    # the real pair's bs=1 row: K=3 measured 14 ms above K=2 and 90 ms below K=4
+    noisy = {1: {0: 198.9, 1: 248.2, 2: 275.4, 3: 289.6, 4: 379.5, 5: 419.5}}
+    alpha = [0.89, 0.85, 0.80, 0.76, 0.74]
+    assert best_k(alpha, noisy, 1, 5) == 3  # the dip wins on the raw grid
+    smooth = smooth_itl(noisy)
+    steps = [smooth[1][k + 1] - smooth[1][k] for k in range(1, 5)]
+    assert max(steps) - min(steps) < 1e-2  # K >= 1 on one line
+    assert smooth[1][0] == noisy[1][0]  # K=0 (no drafter) kept as measured
+    assert best_k(alpha, smooth, 1, 5) == 5
+
+
+def test_smoothing_makes_each_k_non_decreasing_in_batch_size_and_keeps_clean_grids():
+    noisy = {1: {0: 199.0}, 2: {0: 185.0}, 4: {0: 202.0}, 8: {0: 244.0}}
+    smooth = smooth_itl(noisy)
+    assert [smooth[bs][0] for bs in (1, 2, 4, 8)] == [192.0, 192.0, 202.0, 244.0]  # the dip pooled with its neighbour
+    clean = {bs: {k: 100.0 + 5 * bs * (k + 1) + k * (10 + 2 * bs) for k in range(5)} for bs in (1, 4, 16)}
+    smoothed = smooth_itl(clean)
+    assert all(smoothed[bs] == pytest.approx(clean[bs]) for bs in clean)
+    assert smooth_itl({}) == {}
+    assert smooth_itl({1: {0: 0.0, 1: -3.0}, 2: {}}) == {1: {}, 2: {}}  # unknown cells stay unknown
+
+
+def test_goodput_policy_and_derived_table_use_the_smoothed_grid():
+    noisy = {1: {0: 198.9, 1: 248.2, 2: 275.4, 3: 289.6, 4: 379.5, 5: 419.5}}
+    alpha = [0.89, 0.85, 0.80, 0.76, 0.74]
+    assert GoodputK(Profile(5, alpha, noisy), 5, 1).choose(1) == 5
+    assert derive_table(alpha, noisy, 5) == [[1, 1, 5]]

@@ -73,32 +73,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plot_goodput(profile, path: str) -> None:
-    """Goodput (AL/ITL, tokens/s per request) for each K against batch size, and the chosen K."""
+    """Goodput (AL/ITL, tokens/s per request) for each K against batch size, and the chosen K.
+
+    Dots are the measured grid, lines the smoothed one the policy uses (``smooth_itl``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dynaspec.spec.profile import acceptance_length, best_k, smooth_itl
+
     sizes = sorted(profile.batch_stats)
     alpha = profile.acceptance_rate_per_pos
+    smooth = smooth_itl(profile.batch_stats)
     fig, (ax, ax_k) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, height_ratios=[3, 1])
-    best = []
     for k in range(profile.max_num_speculative_tokens + 1):
-        al = 1 + sum(alpha[:k])
-        xs, ys = [], []
-        for bs in sizes:
-            itl = profile.batch_stats[bs].get(k)
-            if itl:
-                xs.append(bs)
-                ys.append(al / itl * 1000)
-        ax.plot(xs, ys, marker="o", label=f"K={k} (AL {al:.2f})")
-    for bs in sizes:
-        row = profile.batch_stats[bs]
-        scores = {k: (1 + sum(alpha[:k])) / t for k, t in row.items() if t}
-        best.append(max(scores, key=lambda k: (scores[k], -k)) if scores else 0)
+        al = acceptance_length(alpha, k)
+        measured = [(bs, al / profile.batch_stats[bs][k] * 1000) for bs in sizes if profile.batch_stats[bs].get(k)]
+        fitted = [(bs, al / smooth[bs][k] * 1000) for bs in sizes if smooth[bs].get(k)]
+        line = ax.plot(*zip(*fitted), label=f"K={k} (AL {al:.2f})")[0] if fitted else None
+        if measured:
+            ax.plot(*zip(*measured), "o", color=line.get_color() if line else None, markersize=4)
+    best = [best_k(alpha, smooth, bs, profile.max_num_speculative_tokens) for bs in sizes]
     ax.set_xscale("log", base=2)
     ax.set_ylabel("goodput per request (tokens/s)")
-    ax.set_title(f"goodput = AL(K) / ITL(bs, K): {profile.meta.get('model', '')}")
+    ax.set_title(f"goodput = AL(K) / ITL(bs, K): {profile.meta.get('model', '')}\n(dots: measured, lines: smoothed)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     ax_k.step(sizes, best, where="mid", color="black")

@@ -18,7 +18,7 @@ from typing import Protocol, Sequence
 
 from dynaspec.spec.config import SpeculativeConfig, table_lookup
 from dynaspec.spec.cost import StepCostModel, StepTiming, prior_from_grid
-from dynaspec.spec.profile import Profile, acceptance_length, argmax_goodput, interpolate_itl, load_profile
+from dynaspec.spec.profile import Profile, acceptance_length, argmax_goodput, interpolate_itl, load_profile, smooth_itl
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,7 @@ class GoodputK:
         **estimate_kwargs,
     ) -> None:
         self.profile = profile
+        self.itl_grid = smooth_itl(profile.batch_stats)  # the profiled ITL(bs, K), measurement noise taken out
         self.max_k = max(0, min(max_k, profile.max_num_speculative_tokens))
         self.acceptance = AcceptanceEstimate(profile.acceptance_rate_per_pos, self.max_k, **estimate_kwargs)
         self.hysteresis = Hysteresis(hysteresis_steps)
@@ -194,7 +195,7 @@ class GoodputK:
 
     def itl(self, batch_size: int, k: int) -> float | None:
         """ITL(bs, K) in ms: the profile's, times the live drift; the cost model's alone off the grid."""
-        base = interpolate_itl(self.profile.batch_stats, batch_size, k)
+        base = interpolate_itl(self.itl_grid, batch_size, k)
         if base is None:
             model = self.costs.itl(batch_size, k)
             return model if model > 0 else None

@@ -118,6 +118,58 @@ def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k
     return points[-1][1]
 
 
+def smooth_itl(batch_stats: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+    """The profiled grid with its measurement noise taken out and its shape kept.
+
+    A median of a few steps jitters by tens of milliseconds on a shared CPU, enough to flip the
+    argmax between neighbouring K (one profile here had ITL(1, 3) 14 ms above ITL(1, 2) and 90 ms
+    below ITL(1, 4)). Two facts of the step's cost hold the grid together:
+
+    - within a batch size, each extra draft token adds one drafter pass and bs verified tokens, so
+      ITL(bs, K) for K >= 1 lies on a line in K (fitted by least squares, slope >= 0, never below
+      K=0). K=0, where the drafter does not run at all, stays as measured;
+    - a step never gets cheaper with more requests: each K's column is made non-decreasing in bs
+      (isotonic regression, pool adjacent violators), which averages a dip with its neighbours
+      rather than lifting it to the maximum.
+
+    Unknown (missing or non-positive) cells stay unknown. A grid that already obeys both is
+    returned unchanged.
+    """
+    smoothed: dict[int, dict[int, float]] = {}
+    for bs, row in batch_stats.items():
+        known = {k: t for k, t in row.items() if t > 0}
+        out = dict(known)
+        spec = sorted((k, t) for k, t in known.items() if k >= 1)
+        if len(spec) >= 3:
+            n = len(spec)
+            mean_k = sum(k for k, _ in spec) / n
+            mean_t = sum(t for _, t in spec) / n
+            var = sum((k - mean_k) ** 2 for k, _ in spec)
+            slope = max(0.0, sum((k - mean_k) * (t - mean_t) for k, t in spec) / var) if var else 0.0
+            floor = known.get(0, 0.0)
+            for k, _ in spec:
+                out[k] = max(floor, mean_t + slope * (k - mean_k))
+        smoothed[bs] = out
+    sizes = sorted(smoothed)
+    for k in {k for row in smoothed.values() for k in row}:
+        column = [bs for bs in sizes if k in smoothed[bs]]
+        for bs, value in zip(column, _isotonic([smoothed[bs][k] for bs in column])):
+            smoothed[bs][k] = round(value, 3)
+    return smoothed
+
+
+def _isotonic(values: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, c2 = blocks.pop()
+            m1, c1 = blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(int(c))]
+
+
 def best_k(alpha: list[float], batch_stats: dict[int, dict[int, float]], batch_size: int, max_k: int) -> int:
     """argmax_K AL(K) / ITL(bs, K) over the profiled grid; ties go to the smaller K; 0 when nothing is known."""
     return argmax_goodput(alpha, lambda k: interpolate_itl(batch_stats, batch_size, k), max_k)
@@ -142,9 +194,11 @@ def argmax_goodput(alpha: list[float], itl: Callable[[int], float | None], max_k
 
 
 def derive_table(alpha: list[float], batch_stats: dict[int, dict[int, float]], max_k: int) -> list[list[int]]:
-    """`num_speculative_tokens_per_batch_size` ranges from goodput, for 1..the largest profiled bs."""
+    """`num_speculative_tokens_per_batch_size` ranges from goodput on the smoothed grid, for
+    1..the largest profiled bs (the same choice the goodput policy makes before live data)."""
     if not batch_stats:
         return [[1, 1, 0]]
+    batch_stats = smooth_itl(batch_stats)
     top = max(batch_stats)
     table: list[list[int]] = []
     for bs in range(1, top + 1):
