@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every figure in results/RESULTS.md, reproduced on the default offline models (CPU, bfloat16).
 # Run on a quiet machine: the configurations are compared side by side, but the machine must be
-# otherwise idle for the absolute numbers to mean anything. About 70 minutes on 2 cores.
+# otherwise idle for the absolute numbers to mean anything. About 2 hours on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DS=.venv/bin/dynaspec
@@ -10,11 +10,11 @@ mkdir -p results
 $DS bench spec --dataset humaneval --num-prompts 4 --max-tokens 128 --result-file results/bench_spec.json 2>&1 | tee results/bench_spec.log
 $DS bench decode --batch-sizes 1,8 --max-tokens 64 --result-file results/bench_decode.json 2>&1 | tee results/bench_decode.log
 $DS profile --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC --dataset humaneval \
-    --batch-sizes 1,2,4,8,16,32 --measured-steps 7 \
+    --batch-sizes 1,2,4,8,16,32 \
     --output results/profile_qwen_pair_humaneval.json --plot results/goodput_qwen_pair_humaneval.png 2>&1 | tee results/profile.log
 $DS bench sweep --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC \
     --profile results/profile_qwen_pair_humaneval.json --dataset humaneval --concurrency 1,2,4,8,16,32 \
-    --prompts-per-concurrency 4 --max-tokens 24 --rounds 2 --result-file results/sweep.json --plot results/sweep.png 2>&1 | tee results/sweep.log
+    --prompts-per-concurrency 4 --min-prompts 16 --max-tokens 24 --rounds 4 --result-file results/sweep.json --plot results/sweep.png 2>&1 | tee results/sweep.log
 # serving: a real server with speculation, and the streaming client against it
 $DS serve --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC --port 8011 > results/serve_server.log 2>&1 &
 SERVER=$!

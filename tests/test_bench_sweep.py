@@ -18,7 +18,7 @@ def test_sweep_tiny(tmp_path, target_dir):
     rc = main([
         "bench", "sweep", "--model", str(target_dir), "--dtype", "float32", "--kv-cache-memory-gb", "0.02",
         "--speculative-config", json.dumps(spec), "--profile", str(profile), "--dataset", str(prompts),
-        "--concurrency", "1,2", "--prompts-per-concurrency", "2", "--fixed-ks", "1,2", "--max-tokens", "6",
+        "--concurrency", "1,2", "--prompts-per-concurrency", "2", "--min-prompts", "3", "--fixed-ks", "1,2", "--max-tokens", "6",
         "--rounds", "2", "--result-file", str(result), "--plot", str(plot),
     ])
     assert rc == 0
@@ -27,8 +27,9 @@ def test_sweep_tiny(tmp_path, target_dir):
     assert configs == {"none", "K=1", "K=2", "table", "goodput"}
     assert all(r["output_tokens_per_s"] > 0 for r in report["rows"])
     # greedy: every configuration emits exactly what the target alone does
-    assert all(r["requests_identical_to_none"] in ("2/2", "4/4") for r in report["rows"])
-    # two rounds each (ABBA order), pooled: every configuration ran all 2 x C prompts
+    # C=1 runs --min-prompts (3) prompts, C=2 runs 2 x 2
+    assert all(r["requests_identical_to_none"] == ("3/3" if r["concurrency"] == 1 else "4/4") for r in report["rows"])
+    # two rounds each (ABBA order), pooled: every configuration ran all its prompts
     assert all(len(r["tokens_per_s_by_round"]) == 2 for r in report["rows"])
     assert set(report["totals"]) == configs
     assert plot.stat().st_size > 10_000

@@ -94,3 +94,19 @@ def test_unsupported_architecture_is_refused():
     with pytest.raises(ValueError, match="unsupported architecture 'mistral'"):
         ModelConfig.from_hf_dict({"model_type": "mistral", "vocab_size": 4, "hidden_size": 4,
                                   "intermediate_size": 4, "num_hidden_layers": 1, "num_attention_heads": 1})
+
+
+def test_lone_half_precision_row_runs_as_two_with_the_same_result():
+    import torch.nn.functional as F
+
+    from dynaspec.models.llama import Linear
+
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = Linear(64, 48, bias=True).to(dtype)
+        x = torch.randn(1, 64, dtype=dtype)
+        out = layer(x)
+        assert out.shape == (1, 48)
+        assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
+        many = torch.randn(5, 64, dtype=dtype)
+        assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))

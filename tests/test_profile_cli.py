@@ -3,6 +3,7 @@
 import json
 
 from dynaspec.cli import main
+from dynaspec.spec.profiler import ProfileSettings, measure_catchup, measure_itl
 from dynaspec.spec.profile import derive_table, load_profile
 from test_engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggered
 
@@ -16,7 +17,7 @@ def test_profile_then_goodput_engine(tmp_path, target_dir):
     rc = main([
         "profile", "--model", str(target_dir), "--speculative-config", json.dumps(spec), "--dtype", "float32",
         "--kv-cache-memory-gb", "0.02", "--dataset", str(prompts), "--batch-sizes", "1,2,4", "--num-prompts", "3",
-        "--max-tokens", "12", "--warmup-steps", "1", "--measured-steps", "2", "--output", str(out), "--plot", str(plot),
+        "--max-tokens", "12", "--warmup-steps", "1", "--measured-steps", "2", "--rounds", "2", "--output", str(out), "--plot", str(plot),
     ])
     assert rc == 0
     profile = load_profile(out)
@@ -24,6 +25,7 @@ def test_profile_then_goodput_engine(tmp_path, target_dir):
     assert sorted(profile.batch_stats) == [1, 2, 4]
     assert all(sorted(row) == [0, 1, 2, 3] and all(t > 0 for t in row.values()) for row in profile.batch_stats.values())
     assert len(profile.acceptance_rate_per_pos) == 3 and profile.acceptance_rate_per_pos[0] > 0
+    assert profile.meta["settings"]["rounds"] == 2
     assert profile.num_speculative_tokens_per_batch_size[0][:1] == [1]
     # the table is goodput's own choice on the measured data (which K wins is up to the timings)
     assert profile.num_speculative_tokens_per_batch_size == derive_table(
@@ -35,3 +37,28 @@ def test_profile_then_goodput_engine(tmp_path, target_dir):
     assert run_staggered(engine, PROMPTS, GREEDY) == run_alone(target_dir, PROMPTS)
     snapshot = engine.stats()["spec"]["policy"]
     assert snapshot["policy"] == "goodput" and snapshot["k_by_batch_size"]
+
+
+def test_itl_cells_are_visited_in_rounds_and_catchup_is_timed_on_lent_blocks(target_dir, draft_dir):
+    engine = make_engine(target_dir, speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2})
+    settings = ProfileSettings(batch_sizes=[1, 2], max_k=2, warmup_steps=1, measured_steps=1, rounds=3, catchup_rows=(1, 3))
+    timings = []
+    stats = measure_itl(engine, PROMPTS, settings, progress=False, timings=timings)
+    assert sorted(stats) == [1, 2] and all(sorted(row) == [0, 1, 2] for row in stats.values())
+    # per batch size: its prefill steps, then 3 rounds x 3 K x (1 warm-up + 1 timed) steps
+    assert sum(1 for t in timings if t.prefill_tokens == 0) == 2 * 3 * 3 * 2
+    free = engine.allocator.num_free
+    before = len(timings)
+    measure_catchup(engine, PROMPTS, settings, timings)
+    passes = [t.draft_passes[0] for t in timings[before:]]
+    assert [rows for rows, _, _ in passes] == [1, 1, 3, 3]  # catchup_repeats=2 per size
+    assert all(extra > 0 and ms > 0 for _, extra, ms in passes)
+    assert engine.allocator.num_free == free  # lent blocks given back
+
+
+def test_profile_refuses_bad_rounds(tmp_path, target_dir, capsys):
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 2}
+    rc = main(["profile", "--model", str(target_dir), "--speculative-config", json.dumps(spec), "--rounds", "0",
+               "--output", str(tmp_path / "p.json")])
+    assert rc != 0 and "--rounds: must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

@@ -2,7 +2,8 @@
 at several concurrencies, side by side in one run.
 
 Each concurrency C runs a closed loop: C requests in flight, a new prompt joins as one finishes,
-4·C prompts in all. One engine with the drafter serves every speculative configuration (only the
+max(4·C, ``--min-prompts``) prompts in all (small concurrencies finish their 4·C prompts in
+seconds, too short to average out a shared machine's noise). One engine with the drafter serves every speculative configuration (only the
 K policy is swapped, so weights and caches are shared); "none" is a separate engine without a
 drafter. The order of configurations rotates from one concurrency (and round) to the next so slow
 drift of the machine does not favour one of them. ``--rounds R`` (default 2) splits a
@@ -33,7 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", required=True, help="profile JSON from `dynaspec profile`")
     p.add_argument("--dataset", default="humaneval")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
-    p.add_argument("--prompts-per-concurrency", type=int, default=4, help="prompts = this x concurrency")
+    p.add_argument("--prompts-per-concurrency", type=int, default=4, help="prompts = this x concurrency ...")
+    p.add_argument("--min-prompts", type=int, default=16, help="... but at least this many per concurrency")
     p.add_argument("--fixed-ks", default="1,3,5")
     p.add_argument("--max-tokens", type=int, default=48, help="output cap per request (keeps the sweep short)")
     p.add_argument("--rounds", type=int, default=2,
@@ -120,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None:
         raise ValueError("--speculative-config: the sweep needs the drafter's config")
+    for flag, value in (("--rounds", args.rounds), ("--prompts-per-concurrency", args.prompts_per_concurrency),
+                        ("--min-prompts", args.min_prompts)):
+        if value < 1:
+            raise ValueError(f"{flag}: must be >= 1, got {value}")
     profile = load_profile(args.profile)
     concurrencies = _ints(args.concurrency, "--concurrency")
     fixed_ks = _ints(args.fixed_ks, "--fixed-ks")
@@ -142,8 +148,6 @@ def run(args: argparse.Namespace) -> int:
     configs = ["none", *policies]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
 
-    if args.rounds < 1:
-        raise ValueError("--rounds: must be >= 1")
     for engine in engines.values():  # first-call overheads (allocations, kernel selection) off the clock
         closed_loop(engine, prompts[:2], 2, SamplingParams(max_tokens=4, temperature=0.0))
 
@@ -151,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     cursor = 0
     with tqdm(total=len(concurrencies) * len(configs) * args.rounds, desc="sweep", unit="run") as bar:
         for ci, c in enumerate(concurrencies):
-            chosen = [prompts[(cursor + i) % len(prompts)] for i in range(args.prompts_per_concurrency * c)]
+            count = max(args.prompts_per_concurrency * c, args.min_prompts)
+            chosen = [prompts[(cursor + i) % len(prompts)] for i in range(count)]
             cursor += len(chosen)
             order = configs[ci % len(configs):] + configs[: ci % len(configs)]
             for rnd in range(args.rounds):
@@ -252,23 +257,31 @@ def format_report(report: dict) -> str:
 
 
 def plot_sweep(report: dict, path: str) -> None:
+    """Throughput (with the spread of its rounds), each configuration relative to the best one at
+    its concurrency (the goodput target drawn at 0.97), and median TPOT, against concurrency."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_tp, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_tp, ax_rel, ax_tpot) = plt.subplots(1, 3, figsize=(16, 4.6))
     configs = list(report["totals"])
+    best = {}
+    for r in report["rows"]:
+        best[r["concurrency"]] = max(best.get(r["concurrency"], 0.0), r["output_tokens_per_s"])
     for name in configs:
-        rows = [r for r in report["rows"] if r["config"] == name]
+        rows = sorted((r for r in report["rows"] if r["config"] == name), key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in rows]
         style = dict(linewidth=2.5, color="black") if name == "goodput" else {}
         ys = [r["output_tokens_per_s"] for r in rows]
         spread = [[y - min(r.get("tokens_per_s_by_round") or [y]) for y, r in zip(ys, rows)],
                   [max(r.get("tokens_per_s_by_round") or [y]) - y for y, r in zip(ys, rows)]]
         ax_tp.errorbar(xs, ys, yerr=spread, marker="o", capsize=3, label=name, **style)
+        ax_rel.plot(xs, [y / best[x] if best[x] else 0.0 for x, y in zip(xs, ys)], marker="o", label=name, **style)
         ax_tpot.plot(xs, [r["tpot_median_ms"] for r in rows], marker="o", label=name, **style)
-    for ax, label in ((ax_tp, "output tokens/s"), (ax_tpot, "TPOT median (ms)")):
+    ax_rel.axhline(0.97, color="grey", linestyle="--", linewidth=1)
+    for ax, label in ((ax_tp, "output tokens/s (bars: rounds)"), (ax_rel, "tokens/s / best at this concurrency"),
+                      (ax_tpot, "TPOT median (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_ylabel(label)

@@ -16,8 +16,11 @@ def add_parser(sub) -> None:
     p.add_argument("--max-k", type=int, default=None, help="largest K to profile (default: num_speculative_tokens)")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts used to measure acceptance")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens generated per acceptance prompt")
-    p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--measured-steps", type=int, default=5, help="steps timed per (bs, K); the median is kept")
+    p.add_argument("--warmup-steps", type=int, default=1, help="untimed steps at each visit of a (bs, K) cell")
+    p.add_argument("--measured-steps", type=int, default=2, help="steps timed at each visit of a (bs, K) cell")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="visits of every (bs, K) cell, K interleaved so machine drift lands on every K alike; "
+                        "the median over all visits is kept")
     p.add_argument("--output", required=True, help="profile JSON to write")
     p.add_argument("--plot", default=None, help="PNG of goodput per K against batch size")
     p.set_defaults(func=run)
@@ -47,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
     max_k = args.max_k if args.max_k is not None else spec.num_speculative_tokens
     if not max_k or max_k < 1:
         raise ValueError("--max-k: must be >= 1")
+    for flag, value, least in (("--rounds", args.rounds, 1), ("--measured-steps", args.measured_steps, 1),
+                               ("--warmup-steps", args.warmup_steps, 0)):
+        if value < least:
+            raise ValueError(f"{flag}: must be >= {least}, got {value}")
     prompts = load_prompts(args.dataset, chat=True)
     kwargs = engine_kwargs(args)
     kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], sizes[-1], args.num_prompts)
@@ -55,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ProfileSettings(
         batch_sizes=sizes, max_k=max_k, num_acceptance_prompts=args.num_prompts,
         acceptance_max_tokens=args.max_tokens, warmup_steps=args.warmup_steps, measured_steps=args.measured_steps,
+        rounds=args.rounds,
     )
     meta = {"model": args.model, "speculative_config": json.loads(json.dumps(spec.to_dict())),
             "dataset": args.dataset, "dtype": str(engine.config.torch_dtype).replace("torch.", "")}

@@ -2,10 +2,14 @@
 
 Everything runs in this process on one engine: acceptance comes from generating on a dataset at
 the maximum K; ITL(bs, K) is the median wall time of an engine step (draft + verify + sample) with
-exactly bs requests decoding, after warm-up steps, cycling K over 0..max with the same requests.
-Every step of both phases is also timed pass by pass (target; each drafter pass, catch-ups
-included) and fitted into the profile's ``cost_model``, the prior of the goodput policy's live
-cost model.
+exactly bs requests decoding. A shared CPU drifts by tens of percent within minutes, and the
+policy compares K against K at one batch size, so a batch size's K cells are measured
+interleaved: ``rounds`` visits of every K (0..max, then max..0, ...), each a warm-up step
+(which also absorbs the drafter's catch-up after a K=0 visit) and ``measured_steps`` timed
+steps; drift then lands on every K alike. Every step is also timed pass by pass (target; each
+drafter pass) and, together with drafter passes over whole prompts (the catch-up a new request
+costs), fitted into the profile's ``cost_model``, the prior of the goodput policy's live cost
+model.
 """
 
 from __future__ import annotations
@@ -33,8 +37,11 @@ class ProfileSettings:
     max_k: int
     num_acceptance_prompts: int = 16
     acceptance_max_tokens: int = 96
-    warmup_steps: int = 2
-    measured_steps: int = 5
+    warmup_steps: int = 1  # per visit of a (bs, K) cell
+    measured_steps: int = 2  # timed steps per visit
+    rounds: int = 3  # visits of every (bs, K) cell, K order reversed every other round
+    catchup_rows: tuple[int, ...] = (1, 2, 4)  # whole prompts per timed drafter catch-up pass
+    catchup_repeats: int = 2
     temperature: float = 0.0
 
 
@@ -63,33 +70,59 @@ def measure_acceptance(
 def measure_itl(
     engine: Engine, prompts: list, settings: ProfileSettings, progress: bool = True, timings: list | None = None
 ) -> dict[int, dict[int, float]]:
-    """Median step time in ms for each batch size and K = 0..max_k."""
+    """Median step time in ms for each batch size and K = 0..max_k, K interleaved in rounds."""
     batch_stats: dict[int, dict[int, float]] = {}
-    cells = len(settings.batch_sizes) * (settings.max_k + 1)
-    steps_per_cell = settings.warmup_steps + settings.measured_steps
-    with tqdm(total=cells, desc="ITL(bs, K)", unit="cell", disable=not progress) as bar:
+    ks = list(range(settings.max_k + 1))
+    visits = len(settings.batch_sizes) * len(ks) * settings.rounds
+    steps_per_visit = settings.warmup_steps + settings.measured_steps
+    with tqdm(total=visits, desc="ITL(bs, K)", unit="visit", disable=not progress) as bar:
         for bs in settings.batch_sizes:
-            # enough tokens for every K to run its steps without any request finishing
-            budget = steps_per_cell * (settings.max_k + 1) * (settings.max_k + 1) + 8
+            # enough tokens for every visit to run its steps without any request finishing
+            budget = settings.rounds * len(ks) * steps_per_visit * (settings.max_k + 1) + 8
             params = SamplingParams(max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0)
             requests = [engine.add_request(prompts[i % len(prompts)], params) for i in range(bs)]
             engine.scheduler.k_chooser = FixedK(0)
             while not all(r.is_decoding for r in requests):  # prefill everyone first
                 _step(engine, timings)
-            batch_stats[bs] = {}
-            for k in range(settings.max_k + 1):
-                engine.scheduler.k_chooser = FixedK(k)
-                times = []
-                for step in range(steps_per_cell):
-                    start = time.perf_counter()
-                    _step(engine, timings)
-                    if step >= settings.warmup_steps:
-                        times.append((time.perf_counter() - start) * 1000)
-                batch_stats[bs][k] = round(statistics.median(times), 3)
-                bar.update(1)
+            times: dict[int, list[float]] = {k: [] for k in ks}
+            for rnd in range(settings.rounds):
+                for k in ks if rnd % 2 == 0 else ks[::-1]:
+                    engine.scheduler.k_chooser = FixedK(k)
+                    for step in range(steps_per_visit):
+                        start = time.perf_counter()
+                        _step(engine, timings)
+                        if step >= settings.warmup_steps:
+                            times[k].append((time.perf_counter() - start) * 1000)
+                    bar.update(1)
+            batch_stats[bs] = {k: round(statistics.median(t), 3) for k, t in times.items() if t}
             for r in requests:
                 engine.abort(r.request_id)
     return batch_stats
+
+
+def measure_catchup(engine: Engine, prompts: list, settings: ProfileSettings, timings: list) -> None:
+    """Time drafter passes over whole prompts (what a new request costs the drafter) into ``timings``.
+
+    In the other phases a catch-up pass is rare (once per request) and often the first of its
+    size (slower), so it alone would pin the cost model's per-token catch-up slope poorly.
+    """
+    time_catchup = getattr(engine.proposer, "time_catchup", None)
+    if time_catchup is None:  # a proposer with nothing to catch up (ngram)
+        return
+    ids = [engine.tokenizer.apply_chat_template(p) if isinstance(p, list) else engine.tokenizer.encode(p) for p in prompts]
+    for rows in settings.catchup_rows:
+        chosen = [ids[i % len(ids)] for i in range(rows)]
+        tables: list[list[int]] = [[] for _ in chosen]
+        try:
+            if not all(engine.allocator.grow(t, len(c)) for t, c in zip(tables, chosen)):
+                break  # the KV budget holds no more prompts at once
+            time_catchup(chosen, tables)  # warm-up: first passes of a shape are slower
+            for _ in range(settings.catchup_repeats):
+                ms = time_catchup(chosen, tables)
+                timings.append(StepTiming(0, 0, 0.0, [(rows, sum(len(c) for c in chosen) - rows, ms)]))
+        finally:
+            for t in tables:
+                engine.allocator.free(t)
 
 
 def run_profile(engine: Engine, prompts: list, settings: ProfileSettings, meta: dict, progress: bool = True) -> Profile:
@@ -98,6 +131,7 @@ def run_profile(engine: Engine, prompts: list, settings: ProfileSettings, meta: 
     try:
         alpha = measure_acceptance(engine, prompts, settings, progress, timings)
         batch_stats = measure_itl(engine, prompts, settings, progress, timings)
+        measure_catchup(engine, prompts, settings, timings)
     finally:
         engine.scheduler.k_chooser = policy
     return Profile(
@@ -118,6 +152,7 @@ def run_profile(engine: Engine, prompts: list, settings: ProfileSettings, meta: 
                 "batch_sizes": settings.batch_sizes,
                 "warmup_steps": settings.warmup_steps,
                 "measured_steps": settings.measured_steps,
+                "rounds": settings.rounds,
                 "acceptance_prompts": settings.num_acceptance_prompts,
                 "acceptance_max_tokens": settings.acceptance_max_tokens,
                 "temperature": settings.temperature,
