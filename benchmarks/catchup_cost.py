@@ -19,7 +19,7 @@ SPEC = json.loads((Path(__file__).resolve().parent.parent / "results" / "spec_qw
 PASS_MS = 40.0  # a drafter pass over a single token, subtracted to leave the per-token part
 
 engine = Engine(EngineConfig(model="qwen2.5-coder-1.5b-instruct", speculative_config=SPEC, progress=False))
-prompts = [engine.tokenizer.apply_chat_template(p) for p in load_prompts("humaneval")[:16]]
+prompts = [engine.prompt_token_ids(p) for p in load_prompts("humaneval")[:16]]
 blocks_per_prompt = max(len(p) for p in prompts) // engine.config.block_size + 1
 
 

@@ -33,3 +33,23 @@ def test_sweep_tiny(tmp_path, target_dir):
     assert all(len(r["tokens_per_s_by_round"]) == 2 for r in report["rows"])
     assert set(report["totals"]) == configs
     assert plot.stat().st_size > 10_000
+    # rounds are paired with the pooled best other configuration's rounds
+    goodput = [r for r in report["rows"] if r["config"] == "goodput"]
+    assert all(len(r["vs_best_other_by_round"]) == 2 and r["best_other"] != "goodput" for r in goodput)
+
+
+def test_saved_sweep_is_recompared_and_replotted(tmp_path, capsys):
+    rows = [
+        {"concurrency": c, "config": name, "output_tokens_per_s": rate, "wall_s": 10.0 / rate, "tpot_mean_ms": 100.0,
+         "tpot_median_ms": 90.0, "acceptance_length": None, "tokens_per_s_by_round": [rate * 0.9, rate * 1.1]}
+        for c, rates in ((1, {"none": 2.0, "K=1": 4.0, "goodput": 3.9}), (2, {"none": 5.0, "K=1": 4.0, "goodput": 5.1}))
+        for name, rate in rates.items()
+    ] + [{"concurrency": 4, "config": "none", "output_tokens_per_s": 6.0, "wall_s": 1.0}]  # a cut run: C=4 incomplete
+    saved, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    saved.write_text(json.dumps({"rows": rows}))
+    assert main(["bench", "sweep", "--from-json", str(saved), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "goodput" in out and "0.975" in out and "1.020" in out  # 3.9 / 4.0 at C=1, 5.1 / 5.0 at C=2
+    assert "   4 " not in out and plot.stat().st_size > 10_000
+    saved.write_text("[1, 2]")
+    assert main(["bench", "sweep", "--from-json", str(saved)]) == 2

@@ -23,15 +23,20 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-TABLE_HEADER = f"{'C':>4} {'config':<9} {'tok/s':>8} {'TPOT mean':>10} {'TPOT med':>9} {'AL':>5} {'vs best':>8} {'wall s':>7}"
+TABLE_HEADER = (
+    f"{'C':>4} {'config':<9} {'tok/s':>8} {'TPOT mean':>10} {'TPOT med':>9} {'AL':>5} {'vs best':>8} "
+    f"{'by round':>13} {'wall s':>7}"
+)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="concurrency sweep: none, fixed K, profiled table, goodput policy")
     from dynaspec.cli.common import add_engine_args
 
-    add_engine_args(p)
-    p.add_argument("--profile", required=True, help="profile JSON from `dynaspec profile`")
+    add_engine_args(p, model_required=False)  # not needed with --from-json
+    p.add_argument("--profile", help="profile JSON from `dynaspec profile` (required unless --from-json)")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="run nothing: re-compare, print and plot a sweep saved earlier (with --plot)")
     p.add_argument("--dataset", default="humaneval")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--prompts-per-concurrency", type=int, default=4, help="prompts = this x concurrency ...")
@@ -119,6 +124,11 @@ def run(args: argparse.Namespace) -> int:
     from dynaspec.spec.policy import FixedK, GoodputK, TableK
     from dynaspec.spec.profile import load_profile
 
+    if args.from_json:
+        return report_saved(args.from_json, args.plot)
+    for flag, value in (("--model", args.model), ("--profile", args.profile)):
+        if not value:
+            raise ValueError(f"{flag}: required to run a sweep (only --from-json runs without it)")
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None:
         raise ValueError("--speculative-config: the sweep needs the drafter's config")
@@ -189,6 +199,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def report_saved(path: str, plot: str | None) -> int:
+    """Re-compare a saved sweep (also a partial one, cut after some concurrencies), print, plot."""
+    from pathlib import Path
+
+    try:
+        saved = json.loads(Path(path).read_text())
+        rows = saved["rows"]
+        configs = list(dict.fromkeys(r["config"] for r in rows))
+        concurrencies = sorted({r["concurrency"] for r in rows})
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"--from-json: {path}: not a saved sweep ({e})") from None
+    complete = [c for c in concurrencies if all(any(r["concurrency"] == c and r["config"] == n for r in rows) for n in configs)]
+    report = {**saved, **compare([r for r in rows if r["concurrency"] in complete], configs, complete)}
+    print(format_report(report))
+    if plot:
+        plot_sweep(report, plot)
+        print(f"plot written to {plot}")
+    return 0
+
+
 def _run_config(engines: dict, policies: dict, name: str, prompts: list, concurrency: int, params) -> RunResult:
     engine = engines["none" if name == "none" else "spec"]
     if name != "none":
@@ -223,12 +253,27 @@ def summarize(results: list[RunResult], configs: list[str], concurrencies: list[
         ref = plain[r.concurrency]
         same = sum(a == b for a, b in zip(ref, r.token_ids))
         by[(r.concurrency, r.config)]["requests_identical_to_none"] = f"{same}/{len(ref)}"
+    return compare(rows, configs, concurrencies)
+
+
+def compare(rows: list[dict], configs: list[str], concurrencies: list[int]) -> dict:
+    """Each row against the best other configuration (goodput never counts as one), pooled and
+    round by round, and the sweep's totals. Works on saved rows too (``--from-json``).
+
+    ``vs_best_other_by_round`` pairs the rounds: round r of this configuration over round r of
+    the pooled best other, run minutes apart on the same prompts, so their spread shows how much
+    of a gap is the machine's noise."""
+    by = {(r["concurrency"], r["config"]): r for r in rows}
     for c in concurrencies:
         for name in configs:
-            others = [by[(c, o)]["output_tokens_per_s"] for o in configs if o not in (name, "goodput")]
-            best_other = max(others) if others else 0.0
+            others = [o for o in configs if o not in (name, "goodput")]
+            best = max(others, key=lambda o: by[(c, o)]["output_tokens_per_s"], default=None)
             row = by[(c, name)]
-            row["vs_best_other"] = round(row["output_tokens_per_s"] / best_other, 4) if best_other else None
+            rate = by[(c, best)]["output_tokens_per_s"] if best else 0.0
+            row["vs_best_other"] = round(row["output_tokens_per_s"] / rate, 4) if rate else None
+            row["best_other"] = best
+            pairs = zip(row.get("tokens_per_s_by_round", []), by[(c, best)].get("tokens_per_s_by_round", []) if best else [])
+            row["vs_best_other_by_round"] = [round(a / b, 4) for a, b in pairs if b]
     totals = {}
     for name in configs:
         walls = [by[(c, name)]["wall_s"] for c in concurrencies]
@@ -245,9 +290,11 @@ def format_report(report: dict) -> str:
     for r in report["rows"]:
         al = "" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         vs = "" if r["vs_best_other"] is None else f"{r['vs_best_other']:.3f}"
+        rounds = r.get("vs_best_other_by_round") or []
+        spread = f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else ""
         lines.append(
             f"{r['concurrency']:>4} {r['config']:<9} {r['output_tokens_per_s']:>8.2f} {r['tpot_mean_ms'] or 0:>10.1f} "
-            f"{r['tpot_median_ms'] or 0:>9.1f} {al:>5} {vs:>8} {r['wall_s']:>7.1f}"
+            f"{r['tpot_median_ms'] or 0:>9.1f} {al:>5} {vs:>8} {spread:>13} {r['wall_s']:>7.1f}"
         )
     lines.append("")
     lines.append(f"{'config':<9} {'total wall s':>12} {'geomean speedup vs none':>24}")

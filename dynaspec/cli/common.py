@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=True, help="pack name (see `dynaspec models list`), HF directory or .gguf file")
+    g.add_argument("--model", required=model_required,
+                   help="pack name (see `dynaspec models list`), HF directory or .gguf file")
     g.add_argument("--speculative-config", default=None,
                    help="JSON, or @path/to/file.json: method, model, num_speculative_tokens, ...")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

@@ -127,12 +127,7 @@ class Engine:
         request_id: str | None = None,
     ) -> Request:
         """Queue a prompt (text, token ids, or chat messages); bad input raises ValueError."""
-        if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt)
-        elif prompt and isinstance(prompt[0], dict):
-            prompt_ids = self.tokenizer.apply_chat_template(prompt)
-        else:
-            prompt_ids = list(prompt)
+        prompt_ids = self.prompt_token_ids(prompt)
         if not prompt_ids:
             raise ValueError("prompt: must not be empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -156,6 +151,14 @@ class Engine:
         self.scheduler.add(request)
         self.counters.num_prompt_tokens += len(prompt_ids)
         return request
+
+    def prompt_token_ids(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        """Token ids of a prompt given as text, token ids, or chat messages."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.apply_chat_template(prompt)
+        return list(prompt)
 
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.abort(request_id)

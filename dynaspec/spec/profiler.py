@@ -109,7 +109,7 @@ def measure_catchup(engine: Engine, prompts: list, settings: ProfileSettings, ti
     time_catchup = getattr(engine.proposer, "time_catchup", None)
     if time_catchup is None:  # a proposer with nothing to catch up (ngram)
         return
-    ids = [engine.tokenizer.apply_chat_template(p) if isinstance(p, list) else engine.tokenizer.encode(p) for p in prompts]
+    ids = [engine.prompt_token_ids(p) for p in prompts]
     for rows in settings.catchup_rows:
         chosen = [ids[i % len(ids)] for i in range(rows)]
         tables: list[list[int]] = [[] for _ in chosen]
