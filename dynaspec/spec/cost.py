@@ -1,20 +1,26 @@
 """What a step costs, learned from the engine's own timings.
 
-The profile's ITL(bs, K) grid is measured on pure decode steps. Live steps differ: prefill chunks
-ride along, the machine drifts, and a draft model must first catch up on every new request's
-prompt before it can draft for it. Two small linear models, fitted online from every step's
-timings, capture this:
+The profile's ITL(bs, K) grid is measured on pure decode steps, on the machine as it was then.
+Live steps differ: the machine drifts (2-3x over hours on a shared VM), and a draft model must
+first catch up on every new request's prompt before it can draft for it. The profile's
+``cost_model`` gives the shape of a step's cost, fitted on every profiled step:
 
 - target pass:  ms = a + b * verify_tokens + c * prefill_tokens
 - drafter pass: ms = d + e * rows + f * extra_tokens   (extra: catch-up tokens beyond one per row)
 
-Each is a ridge regression pulled towards a prior (from the profile) and forgetting old steps:
-``theta = (A0 + S)^-1 (A0 theta0 + s)`` with ``S <- decay * S + x x^T`` and ``s <- decay * s + x y``
-per observation. ``A0`` pins each coefficient with the weight of ``prior_weight`` observations at a
-typical feature scale, so a few live steps move the estimate and thousands dominate it.
+Live traffic only rescales it: one factor for target passes, one for drafter passes, each the
+decayed geometric mean of observed / predicted time per pass, starting from 1 as
+``prior_weight`` pseudo-observations that fade like old steps, each ratio clipped to
+[1/MAX_DRIFT, MAX_DRIFT].
+Live steps sit near one operating point (the same batch size and K step after step), where a
+regression cannot tell an intercept from a slope: an earlier online regression here put the
+noise of every slow step on the verify-token slope, so a few hiccups made speculation look up
+to 2.3x dearer relative to plain steps and flipped K to 0 at batch 2. Two scales cannot do
+that, yet still follow a slower machine, or a drafter slowed by contention. Until the drafter
+has run, it is assumed to drift like the target (both share the machine).
 
-The goodput policy uses the models two ways: the profile's ITL(bs, K) is scaled by
-live/prior model predictions (drift), and ``f`` prices a request's drafter catch-up.
+The goodput policy uses this two ways: the profile's ITL(bs, K) is multiplied by
+``drift(bs, K)``, and ``f`` times the drafter's scale prices a request's catch-up.
 """
 
 from __future__ import annotations
@@ -27,8 +33,6 @@ import numpy as np
 
 TARGET_FEATURES = ("step", "verify_tokens", "prefill_tokens")
 DRAFT_FEATURES = ("pass", "rows", "extra_tokens")
-_TARGET_SCALE = (1.0, 32.0, 128.0)  # typical feature magnitudes: the prior's weight is set in these units
-_DRAFT_SCALE = (1.0, 8.0, 128.0)
 MAX_DRIFT = 3.0
 
 
@@ -42,60 +46,60 @@ class StepTiming:
     draft_passes: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, extra tokens, ms)
 
 
-class OnlineLinear:
-    """Decayed ridge regression towards a prior; every input is guarded (no NaN, no crash)."""
+class LiveScale:
+    """Observed / predicted time of one kind of pass: a decayed geometric mean, starting at 1."""
 
-    def __init__(self, prior: Sequence[float], scale: Sequence[float], prior_weight: float = 2.0, decay: float = 0.99) -> None:
-        self.prior = np.asarray(prior, dtype=np.float64)
-        self.a0 = np.diag([prior_weight / (s * s) for s in scale])  # precision of the prior
+    def __init__(self, prior_weight: float = 8.0, decay: float = 0.98) -> None:
         self.decay = decay
-        self.s_xx = np.zeros((len(prior), len(prior)))
-        self.s_xy = np.zeros(len(prior))
+        # the prior enters as prior_weight observations of ratio 1, which fade like any old step
+        self.log_sum = 0.0
+        self.prior = prior_weight  # decayed weight of the prior pseudo-observations
+        self.weight = 0.0  # decayed count of live observations
         self.num_observations = 0
-        self.coef = self.prior.copy()
 
-    def observe(self, x: Sequence[float], y: float) -> None:
-        if not (isinstance(y, (int, float)) and math.isfinite(y) and y > 0):
+    def observe(self, observed_ms: float, predicted_ms: float) -> None:
+        ok = all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (observed_ms, predicted_ms))
+        if not ok:
             return
-        xv = np.asarray(x, dtype=np.float64)
-        self.s_xx = self.decay * self.s_xx + np.outer(xv, xv)
-        self.s_xy = self.decay * self.s_xy + xv * y
+        ratio = min(MAX_DRIFT, max(1.0 / MAX_DRIFT, observed_ms / predicted_ms))
+        self.log_sum = self.decay * self.log_sum + math.log(ratio)
+        self.prior *= self.decay
+        self.weight = self.decay * self.weight + 1.0
         self.num_observations += 1
-        try:  # costs are never negative: a slope pushed below 0 by a few noisy steps is held at 0
-            self.coef = np.maximum(np.linalg.solve(self.a0 + self.s_xx, self.a0 @ self.prior + self.s_xy), 0.0)
-        except np.linalg.LinAlgError:
-            pass
 
-    def predict(self, x: Sequence[float], coef: np.ndarray | None = None) -> float:
-        c = self.coef if coef is None else coef
-        return max(0.0, float(np.dot(c, np.asarray(x, dtype=np.float64))))
+    @property
+    def value(self) -> float:
+        return math.exp(self.log_sum / (self.weight + self.prior))
 
 
 class StepCostModel:
-    """Target and drafter pass models; predicts pure-decode ITL(bs, K) and catch-up cost."""
+    """The profile's pass-cost model, rescaled live; predicts pure-decode ITL(bs, K) and catch-up cost."""
 
-    def __init__(self, target_prior: Sequence[float], draft_prior: Sequence[float], prior_weight: float = 2.0, decay: float = 0.99) -> None:
-        self.target = OnlineLinear(target_prior, _TARGET_SCALE, prior_weight, decay)
-        self.draft = OnlineLinear(draft_prior, _DRAFT_SCALE, prior_weight, decay)
+    def __init__(self, target_prior: Sequence[float], draft_prior: Sequence[float], prior_weight: float = 8.0, decay: float = 0.98) -> None:
+        self.target_coef = np.asarray(target_prior, dtype=np.float64)
+        self.draft_coef = np.asarray(draft_prior, dtype=np.float64)
+        self.target_scale = LiveScale(prior_weight, decay)
+        self.draft_scale = LiveScale(prior_weight, decay)
 
     def observe(self, timing: StepTiming) -> None:
-        self.target.observe((1.0, timing.verify_tokens, timing.prefill_tokens), timing.target_ms)
+        self.target_scale.observe(timing.target_ms, _predict(self.target_coef, (1.0, timing.verify_tokens, timing.prefill_tokens)))
         for rows, extra, ms in timing.draft_passes:
-            self.draft.observe((1.0, rows, extra), ms)
+            self.draft_scale.observe(ms, _predict(self.draft_coef, (1.0, rows, extra)))
+
+    def scales(self) -> tuple[float, float]:
+        """(target, drafter) live / profiled; the drafter follows the target until it has run."""
+        target = self.target_scale.value
+        return target, (self.draft_scale.value if self.draft_scale.weight >= 1.0 else target)
 
     def itl(self, batch_size: int, k: int, prior: bool = False) -> float:
         """Pure decode step: the target verifies bs*(K+1) tokens after K drafter passes over bs rows."""
-        t_coef = self.target.prior if prior else None
-        d_coef = self.draft.prior if prior else None
-        target = self.target.predict((1.0, batch_size * (k + 1), 0.0), t_coef)
-        draft = self.draft.predict((1.0, batch_size, 0.0), d_coef) if k else 0.0
-        return target + k * draft
+        target_scale, draft_scale = (1.0, 1.0) if prior else self.scales()
+        target = _predict(self.target_coef, (1.0, batch_size * (k + 1), 0.0))
+        draft = _predict(self.draft_coef, (1.0, batch_size, 0.0)) if k else 0.0
+        return target * target_scale + k * draft * draft_scale
 
     def drift(self, batch_size: int, k: int) -> float:
-        """Live / prior prediction of ITL(bs, K): how much slower (> 1) or faster the machine runs now.
-
-        Bounded to [1/MAX_DRIFT, MAX_DRIFT] so that a model fitted on a few odd steps cannot swing K
-        arbitrarily far from the profile."""
+        """Live / profiled ITL(bs, K): how much slower (> 1) or faster the machine runs that step now."""
         before = self.itl(batch_size, k, prior=True)
         now = self.itl(batch_size, k)
         if before <= 0 or now <= 0:
@@ -103,14 +107,20 @@ class StepCostModel:
         return min(MAX_DRIFT, max(1.0 / MAX_DRIFT, now / before))
 
     def catchup_ms_per_token(self) -> float:
-        return max(0.0, float(self.draft.coef[2]))
+        return max(0.0, float(self.draft_coef[2])) * self.scales()[1]
 
     def snapshot(self) -> dict:
+        target_scale, draft_scale = self.scales()
         return {
-            "target_ms": dict(zip(TARGET_FEATURES, (round(float(c), 4) for c in self.target.coef))),
-            "draft_pass_ms": dict(zip(DRAFT_FEATURES, (round(float(c), 4) for c in self.draft.coef))),
-            "observations": {"target": self.target.num_observations, "draft_passes": self.draft.num_observations},
+            "target_ms": dict(zip(TARGET_FEATURES, (round(float(c), 4) for c in self.target_coef))),
+            "draft_pass_ms": dict(zip(DRAFT_FEATURES, (round(float(c), 4) for c in self.draft_coef))),
+            "live_scale": {"target": round(target_scale, 4), "draft": round(draft_scale, 4)},
+            "observations": {"target": self.target_scale.num_observations, "draft_passes": self.draft_scale.num_observations},
         }
+
+
+def _predict(coef: np.ndarray, x: Sequence[float]) -> float:
+    return max(0.0, float(np.dot(coef, np.asarray(x, dtype=np.float64))))
 
 
 def fit_linear(xs: Sequence[Sequence[float]], ys: Sequence[float], ridge: float = 1e-6) -> list[float]:

@@ -156,8 +156,9 @@ class AcceptanceEstimate:
 class GoodputK:
     """K* = argmax AL(K) / ITL(bs, K), with live acceptance, live step costs, and who drafts.
 
-    ITL(bs, K) is the profile's grid (interpolated), scaled by the drift the online cost model
-    (``dynaspec.spec.cost``) has seen between the profile and live steps. ``choose_drafts`` picks K
+    ITL(bs, K) is the profile's grid (smoothed, interpolated), scaled by the drift the live cost
+    model (``dynaspec.spec.cost``: the profile's cost model times live per-pass scales) has seen
+    between the profile and live steps. ``choose_drafts`` picks K
     and the requests that draft together: a draft model must first catch up on every token it
     has not seen (a new request's whole prompt), a one-time cost that the request's future tokens
     repay. Request i's catch-up, spread over the ``horizon`` tokens it may still generate, costs
