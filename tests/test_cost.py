@@ -156,3 +156,20 @@ def test_cost_model_round_trips_and_bad_one_is_refused(tmp_path):
         path.write_text(json.dumps(data))
         with pytest.raises(ValueError, match="profile .*cost_model"):
             load_profile(path)
+
+
+def test_caught_up_slots_still_pay_the_steady_state_catchup_of_their_replacements():
+    policy = goodput(catchup_ms_per_token=5.0)
+    # 8 caught-up requests with 200-token prompts and 20-token budgets: keeping them drafting means
+    # catching up a 200-token newcomer every 20 tokens per slot, which no K repays at batch 8
+    assert policy.choose_drafts([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=20)] * 8) == (0, [0] * 8)
+    # counted as sunk (no prompt given), the same batch would draft
+    policy.hysteresis.current = None
+    assert policy.choose_drafts([DraftCandidate(1, 10)] * 8)[0] > 0
+    # alone, the same request still drafts: speculation repays a catch-up easily at batch 1
+    policy.hysteresis.current = None
+    assert policy.choose_drafts([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=20)])[0] > 0
+    # long outputs make the slot cheap again
+    policy.hysteresis.current = None
+    assert policy.choose_drafts([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=100_000)] * 8)[0] > 0
+    assert DraftCandidate(300, 20, prompt_tokens=200, max_tokens=100).catchup_per_token() == pytest.approx(299 / 20)

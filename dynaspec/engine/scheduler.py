@@ -97,7 +97,10 @@ class Scheduler:
         k, wanted = 0, [0] * len(decodes)
         if self.k_chooser is not None and decodes:
             k, wanted = self.k_chooser.choose_drafts(
-                [DraftCandidate(self.pending_draft_tokens(r), r.max_new_tokens_left) for r in decodes]
+                [
+                    DraftCandidate(self.pending_draft_tokens(r), r.max_new_tokens_left, len(r.prompt_token_ids), r.params.max_tokens)
+                    for r in decodes
+                ]
             )
         max_drafts: dict[str, int] = {}
         for r, want in zip(list(decodes), wanted):

@@ -37,6 +37,22 @@ class DraftCandidate:
 
     pending_tokens: int  # tokens the proposer must process before drafting (1 when caught up)
     horizon: int  # tokens the request may still generate (max_tokens left)
+    prompt_tokens: int = 0  # its prompt: about what the request taking over its slot will cost to catch up on
+    max_tokens: int = 1  # its whole output budget, over which that catch-up is repaid
+
+    def catchup_per_token(self) -> float:
+        """Catch-up tokens this slot costs the drafter per token it generates, if it drafts.
+
+        The larger of what this request still owes (its unseen tokens over the tokens it may
+        still generate) and what drafting in this slot costs in steady state: under continuous
+        load a finished request is replaced by a new one whose prompt the drafter must catch up
+        on, so every drafting slot pays about one prompt per output budget. Counting only the
+        first (what is owed now) made each step's choice look right while the regime it kept
+        was wrong: at concurrency 8 with 24-token outputs, caught-up requests looked free to keep
+        drafting, yet each newcomer's ~137-token catch-up made speculation lose to plain decoding
+        by 20%."""
+        owed = (self.pending_tokens - 1) / max(1, self.horizon) if self.pending_tokens > 1 else 0.0
+        return max(owed, self.prompt_tokens / max(1, self.max_tokens))
 
 
 class Hysteresis:
@@ -161,8 +177,9 @@ class GoodputK:
     between the profile and live steps. ``choose_drafts`` picks K
     and the requests that draft together: a draft model must first catch up on every token it
     has not seen (a new request's whole prompt), a one-time cost that the request's future tokens
-    repay. Request i's catch-up, spread over the ``horizon`` tokens it may still generate, costs
-    c_i = catchup_ms_per_token * (pending_i - 1) / horizon_i per token. With requests sorted by c_i
+    repay. Request i costs c_i = catchup_ms_per_token * DraftCandidate.catchup_per_token() per
+    generated token (its own unseen tokens over the tokens it may still generate, or, if larger,
+    the steady-state price of a drafting slot: one prompt per output budget). With requests sorted by c_i
     (caught-up ones first), for every K and every n the step's goodput is
 
         (bs + n (AL(K) - 1)) / (ITL(bs, 0) + ITL(n, K) - ITL(n, 0) + AL(K) * sum_{i<n} c_i)
@@ -212,7 +229,7 @@ class GoodputK:
             return 0, []
         alpha = self.acceptance.rates()
         per_token = self.costs.catchup_ms_per_token()
-        cost = [per_token * (c.pending_tokens - 1) / max(1, c.horizon) if c.pending_tokens > 1 else 0.0 for c in candidates]
+        cost = [per_token * c.catchup_per_token() for c in candidates]
         order = sorted(range(bs), key=cost.__getitem__)
         prefix = [0.0]
         for i in order:
