@@ -150,3 +150,16 @@ def test_goodput_policy_and_derived_table_use_the_smoothed_grid():
     alpha = [0.89, 0.85, 0.80, 0.76, 0.74]
     assert GoodputK(Profile(5, alpha, noisy), 5, 1).choose(1) == 5
     assert derive_table(alpha, noisy, 5) == [[1, 1, 5]]
+
+
+def test_a_plain_cell_above_the_drafting_line_is_capped_before_it_pools_its_neighbours():
+    # measured: ITL(2, 0) = 764 ms between 331 at batch 1 and 390 at batch 4 (a hiccup)
+    grid = {
+        1: {0: 331.5, 1: 397.7, 2: 480.5, 3: 530.8, 4: 595.3, 5: 709.9},
+        2: {0: 763.8, 1: 521.0, 2: 611.7, 3: 712.1, 4: 806.4, 5: 882.5},
+        4: {0: 389.6, 1: 552.3, 2: 651.7, 3: 742.5, 4: 988.0, 5: 1044.8},
+    }
+    smooth = smooth_itl(grid)
+    assert smooth[2][0] < 450  # put back on the drafting line at K=0 (~432)
+    assert smooth[4][0] < 420  # and batch 4 is no longer pooled up with it
+    assert smooth[1][0] == pytest.approx(331.5)  # a plain cell below the line stays as measured

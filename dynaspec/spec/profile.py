@@ -127,7 +127,10 @@ def smooth_itl(batch_stats: dict[int, dict[int, float]]) -> dict[int, dict[int, 
 
     - within a batch size, each extra draft token adds one drafter pass and bs verified tokens, so
       ITL(bs, K) for K >= 1 lies on a line in K (fitted by least squares, slope >= 0, never below
-      K=0). K=0, where the drafter does not run at all, stays as measured;
+      K=0). K=0, where the drafter does not run at all, stays as measured unless it lies above
+      that line's value at K=1: a plain step cannot cost more than a drafting one, so such a
+      cell is a hiccup and is put back on the line (its value at K=0) (one profile measured ITL(2, 0) = 764 ms between 331 at batch 1 and 390
+      at batch 4), before it can pool its neighbours up below;
     - a step never gets cheaper with more requests: each K's column is made non-decreasing in bs
       (isotonic regression, pool adjacent violators), which averages a dip with its neighbours
       rather than lifting it to the maximum.
@@ -146,9 +149,11 @@ def smooth_itl(batch_stats: dict[int, dict[int, float]]) -> dict[int, dict[int, 
             mean_t = sum(t for _, t in spec) / n
             var = sum((k - mean_k) ** 2 for k, _ in spec)
             slope = max(0.0, sum((k - mean_k) * (t - mean_t) for k, t in spec) / var) if var else 0.0
-            floor = known.get(0, 0.0)
+            intercept = mean_t - slope * mean_k
+            if 0 in known and known[0] > intercept + slope and intercept > 0:
+                out[0] = intercept  # dearer than drafting one token: a hiccup, put back on the line
             for k, _ in spec:
-                out[k] = max(floor, mean_t + slope * (k - mean_k))
+                out[k] = max(out.get(0, 0.0), mean_t + slope * (k - mean_k))
         smoothed[bs] = out
     sizes = sorted(smoothed)
     for k in {k for row in smoothed.values() for k in row}:
