@@ -117,7 +117,7 @@ def closed_loop(engine, prompts: list, concurrency: int, params) -> tuple[float,
 
 def run(args: argparse.Namespace) -> int:
     from dynaspec.bench.datasets import load_prompts
-    from dynaspec.cli.common import engine_kwargs
+    from dynaspec.cli.common import check_at_least, engine_kwargs
     from dynaspec.engine.engine import Engine, EngineConfig
     from dynaspec.sampling_params import SamplingParams
     from dynaspec.spec.config import SpeculativeConfig
@@ -132,10 +132,8 @@ def run(args: argparse.Namespace) -> int:
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None:
         raise ValueError("--speculative-config: the sweep needs the drafter's config")
-    for flag, value in (("--rounds", args.rounds), ("--prompts-per-concurrency", args.prompts_per_concurrency),
-                        ("--min-prompts", args.min_prompts)):
-        if value < 1:
-            raise ValueError(f"{flag}: must be >= 1, got {value}")
+    check_at_least(("--rounds", args.rounds, 1), ("--prompts-per-concurrency", args.prompts_per_concurrency, 1),
+                   ("--min-prompts", args.min_prompts, 1))
     profile = load_profile(args.profile)
     concurrencies = _ints(args.concurrency, "--concurrency")
     fixed_ks = _ints(args.fixed_ks, "--fixed-ks")
@@ -188,10 +186,7 @@ def run(args: argparse.Namespace) -> int:
     report["profile_table"] = table
     print(format_report(report))
     if args.result_file:
-        from pathlib import Path
-
-        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_file).write_text(json.dumps(report, indent=2) + "\n")
+        _save(args.result_file, report)
         print(f"results written to {args.result_file}")
     if args.plot:
         plot_sweep(report, args.plot)

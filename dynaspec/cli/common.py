@@ -31,3 +31,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         seed=args.seed,
     )
+
+
+def check_at_least(*checks: tuple[str, int, int]) -> None:
+    """(flag, value, least) triples: a ValueError naming the first flag whose value is below its least."""
+    for flag, value, least in checks:
+        if value < least:
+            raise ValueError(f"{flag}: must be >= {least}, got {value}")

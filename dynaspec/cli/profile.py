@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dynaspec.cli.common import add_engine_args, engine_kwargs
+from dynaspec.cli.common import add_engine_args, check_at_least, engine_kwargs
 
 
 def add_parser(sub) -> None:
@@ -50,10 +50,8 @@ def run(args: argparse.Namespace) -> int:
     max_k = args.max_k if args.max_k is not None else spec.num_speculative_tokens
     if not max_k or max_k < 1:
         raise ValueError("--max-k: must be >= 1")
-    for flag, value, least in (("--rounds", args.rounds, 1), ("--measured-steps", args.measured_steps, 1),
-                               ("--warmup-steps", args.warmup_steps, 0)):
-        if value < least:
-            raise ValueError(f"{flag}: must be >= {least}, got {value}")
+    check_at_least(("--rounds", args.rounds, 1), ("--measured-steps", args.measured_steps, 1),
+                   ("--warmup-steps", args.warmup_steps, 0))
     prompts = load_prompts(args.dataset, chat=True)
     kwargs = engine_kwargs(args)
     kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], sizes[-1], args.num_prompts)
