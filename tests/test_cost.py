@@ -7,7 +7,7 @@ import pytest
 import random
 
 from dynaspec.spec.cost import LiveScale, StepCostModel, StepTiming, fit_timings, prior_from_grid
-from dynaspec.spec.policy import DraftCandidate, GoodputK
+from dynaspec.spec.policy import DraftCandidate, FixedK, GoodputK, TableK
 from dynaspec.spec.profile import Profile, best_k, load_profile, save_profile
 
 # a machine where a target step costs 100 + 5/verify token + 3/prefill token, a drafter pass 10 + 2/row + 1/catch-up token
@@ -173,3 +173,23 @@ def test_caught_up_slots_still_pay_the_steady_state_catchup_of_their_replacement
     policy.hysteresis.current = None
     assert policy.choose_drafts([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=100_000)] * 8)[0] > 0
     assert DraftCandidate(300, 20, prompt_tokens=200, max_tokens=100).catchup_per_token() == pytest.approx(299 / 20)
+
+
+def test_k_is_chosen_for_every_running_request_but_only_decoding_ones_draft():
+    k_small, k_large = best_k(ALPHA4, GRID, 4, 4), best_k(ALPHA4, GRID, 64, 4)
+    assert k_small > 0 and k_large == 0
+    policy = goodput(catchup_ms_per_token=0.0)
+    # 4 decoding requests while 60 newcomers prefill: the load is 64, where plain decoding wins,
+    # though a decode batch of 4 alone would speculate
+    prefilling = [DraftCandidate(200, 20, prompt_tokens=200, max_tokens=20, decoding=False)] * 60
+    assert policy.choose_drafts([DraftCandidate(1, 20)] * 4 + prefilling) == (0, [0] * 64)
+    assert policy.snapshot()["k_by_batch_size"] == {64: 0}
+    policy.hysteresis.current = None
+    # 1 decoding request and 3 prefilling: K for a load of 4, drafted by the decoding one only
+    k, drafts = policy.choose_drafts([DraftCandidate(1, 20)] + prefilling[:3])
+    assert (k, drafts) == (k_small, [k_small, 0, 0, 0])
+    assert policy.snapshot()["requests_withheld"] == 0  # prefilling requests are not withheld, they cannot draft yet
+    # fixed and table policies: prefilling requests never draft either
+    table = TableK([[1, 4, 3], [5, 64, 0]], 4, hysteresis_steps=1)
+    assert table.choose_drafts([DraftCandidate(1, 20)] * 2 + prefilling[:3]) == (3, [3, 3, 0, 0, 0])
+    assert FixedK(2).choose_drafts([DraftCandidate(1, 20)] + prefilling[:1]) == (2, [2, 0])

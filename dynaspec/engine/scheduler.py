@@ -96,12 +96,17 @@ class Scheduler:
         decodes = [r for r in self.running if r.is_decoding]
         k, wanted = 0, [0] * len(decodes)
         if self.k_chooser is not None and decodes:
+            # every running request counts towards the load K is chosen for; decodes come first
+            prefilling = [r for r in self.running if not r.is_decoding]
             k, wanted = self.k_chooser.choose_drafts(
                 [
-                    DraftCandidate(self.pending_draft_tokens(r), r.max_new_tokens_left, len(r.prompt_token_ids), r.params.max_tokens)
-                    for r in decodes
+                    DraftCandidate(
+                        self.pending_draft_tokens(r), r.max_new_tokens_left, len(r.prompt_token_ids), r.params.max_tokens, r.is_decoding
+                    )
+                    for r in decodes + prefilling
                 ]
             )
+            wanted = wanted[: len(decodes)]
         max_drafts: dict[str, int] = {}
         for r, want in zip(list(decodes), wanted):
             if r.status is not RequestStatus.RUNNING:  # preempted to make room for an older one
