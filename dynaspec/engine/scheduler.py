@@ -96,8 +96,10 @@ class Scheduler:
         decodes = [r for r in self.running if r.is_decoding]
         k, wanted = 0, [0] * len(decodes)
         if self.k_chooser is not None and decodes:
-            # every running request counts towards the load K is chosen for; decodes come first
-            prefilling = [r for r in self.running if not r.is_decoding]
+            # K is chosen for the load: decodes first, then the requests that will share their
+            # steps before they can draft (prefilling, and waiting ones up to max_num_seqs)
+            room = max(0, self.max_num_seqs - len(self.running))
+            prefilling = [r for r in self.running if not r.is_decoding] + list(self.waiting)[:room]
             k, wanted = self.k_chooser.choose_drafts(
                 [
                     DraftCandidate(
