@@ -53,3 +53,23 @@ def test_saved_sweep_is_recompared_and_replotted(tmp_path, capsys):
     assert "   4 " not in out and plot.stat().st_size > 10_000
     saved.write_text("[1, 2]")
     assert main(["bench", "sweep", "--from-json", str(saved)]) == 2
+
+
+def test_sweep_runs_a_chosen_subset_and_refuses_unknown_configs(tmp_path, target_dir, capsys):
+    stats = {1: {0: 1.0, 1: 1.1}, 2: {0: 1.1, 1: 1.5}}
+    profile = tmp_path / "profile.json"
+    save_profile(Profile(1, [0.9], stats, derive_table([0.9], stats, 1)), profile)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\nclass A:\n")
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 1}
+    common = ["bench", "sweep", "--model", str(target_dir), "--dtype", "float32", "--kv-cache-memory-gb", "0.02",
+              "--speculative-config", json.dumps(spec), "--profile", str(profile), "--dataset", str(prompts),
+              "--concurrency", "2", "--min-prompts", "2", "--prompts-per-concurrency", "1", "--fixed-ks", "1",
+              "--max-tokens", "4", "--rounds", "1"]
+    result = tmp_path / "sweep.json"
+    assert main(common + ["--configs", "K=1,goodput", "--result-file", str(result)]) == 0
+    rows = json.loads(result.read_text())["rows"]
+    assert {r["config"] for r in rows} == {"K=1", "goodput"} and all(r["output_tokens_per_s"] > 0 for r in rows)
+    for bad, named in (("none,K=7", "K=7"), ("goodput", "at least two")):
+        assert main(common + ["--configs", bad, "--result-file", str(result)]) == 2
+        assert "--configs: " + named in capsys.readouterr().err

@@ -42,6 +42,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts-per-concurrency", type=int, default=4, help="prompts = this x concurrency ...")
     p.add_argument("--min-prompts", type=int, default=16, help="... but at least this many per concurrency")
     p.add_argument("--fixed-ks", default="1,3,5")
+    p.add_argument("--configs", default=None,
+                   help="run only these configurations, comma-separated (none, K=<k> from --fixed-ks, table, goodput); default all")
     p.add_argument("--max-tokens", type=int, default=48, help="output cap per request (keeps the sweep short)")
     p.add_argument("--rounds", type=int, default=2,
                    help="split each concurrency's prompts into this many rounds; every round runs all configurations, "
@@ -145,15 +147,23 @@ def run(args: argparse.Namespace) -> int:
     spec_dict = {**spec.to_dict(), "num_speculative_tokens": max_k}
     spec_dict.pop("num_speculative_tokens_per_batch_size", None)
     spec_dict.pop("dynamic_config_path", None)
-    engines = {
-        "none": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None})),
-        "spec": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict})),
-    }
     table = profile.num_speculative_tokens_per_batch_size
     policies = {f"K={k}": (lambda k=k: FixedK(k)) for k in fixed_ks}
     policies["table"] = lambda: TableK(table, max_k, spec.hysteresis_steps)
     policies["goodput"] = lambda: GoodputK(profile, max_k, spec.hysteresis_steps)
     configs = ["none", *policies]
+    if args.configs is not None:
+        wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
+        unknown = [c for c in wanted if c not in configs]
+        if unknown or len(wanted) < 2:
+            raise ValueError(f"--configs: {', '.join(unknown) or 'at least two are needed to compare'} "
+                             f"(choose two or more of {', '.join(configs)})")
+        configs = [c for c in configs if c in wanted]
+    engines = {}  # only the engines the chosen configurations run on
+    if "none" in configs:
+        engines["none"] = Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None}))
+    if any(c != "none" for c in configs):
+        engines["spec"] = Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict}))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
 
     for engine in engines.values():  # first-call overheads (allocations, kernel selection) off the clock
@@ -245,7 +255,9 @@ def summarize(results: list[RunResult], configs: list[str], concurrencies: list[
     by = {(r["concurrency"], r["config"]): r for r in rows}
     plain = {(r.concurrency): r.token_ids for r in results if r.config == "none"}
     for r in results:  # greedy: every configuration should emit the target's own tokens
-        ref = plain[r.concurrency]
+        ref = plain.get(r.concurrency)
+        if ref is None:  # "none" not among the configurations run
+            continue
         same = sum(a == b for a, b in zip(ref, r.token_ids))
         by[(r.concurrency, r.config)]["requests_identical_to_none"] = f"{same}/{len(ref)}"
     return compare(rows, configs, concurrencies)
@@ -272,11 +284,11 @@ def compare(rows: list[dict], configs: list[str], concurrencies: list[int]) -> d
     totals = {}
     for name in configs:
         walls = [by[(c, name)]["wall_s"] for c in concurrencies]
-        speed = [by[(c, name)]["output_tokens_per_s"] / max(1e-9, by[(c, "none")]["output_tokens_per_s"]) for c in concurrencies]
-        totals[name] = {
-            "total_wall_s": round(sum(walls), 2),
-            "geomean_speedup_vs_none": round(math.exp(statistics.fmean(math.log(max(s, 1e-9)) for s in speed)), 4),
-        }
+        geomean = None  # without "none" among the configurations run
+        if "none" in configs:
+            speed = [by[(c, name)]["output_tokens_per_s"] / max(1e-9, by[(c, "none")]["output_tokens_per_s"]) for c in concurrencies]
+            geomean = round(math.exp(statistics.fmean(math.log(max(s, 1e-9)) for s in speed)), 4)
+        totals[name] = {"total_wall_s": round(sum(walls), 2), "geomean_speedup_vs_none": geomean}
     return {"rows": rows, "totals": totals}
 
 
@@ -294,7 +306,8 @@ def format_report(report: dict) -> str:
     lines.append("")
     lines.append(f"{'config':<9} {'total wall s':>12} {'geomean speedup vs none':>24}")
     for name, t in report["totals"].items():
-        lines.append(f"{name:<9} {t['total_wall_s']:>12.1f} {t['geomean_speedup_vs_none']:>24.3f}")
+        geomean = t["geomean_speedup_vs_none"]
+        lines.append(f"{name:<9} {t['total_wall_s']:>12.1f} {'n/a' if geomean is None else f'{geomean:.3f}':>24}")
     return "\n".join(lines)
 
 
