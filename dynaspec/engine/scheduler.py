@@ -9,6 +9,7 @@ running request is preempted (its blocks freed, recomputed later).
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -99,13 +100,18 @@ class Scheduler:
             # K is chosen for the load: decodes first, then the requests that will share their
             # steps before they can draft (prefilling, and waiting ones up to max_num_seqs)
             room = max(0, self.max_num_seqs - len(self.running))
-            prefilling = [r for r in self.running if not r.is_decoding] + list(self.waiting)[:room]
+            prefilling = [r for r in self.running if not r.is_decoding]
+            load = decodes + prefilling + list(itertools.islice(self.waiting, room))  # not a copy of the whole queue
             k, wanted = self.k_chooser.choose_drafts(
                 [
                     DraftCandidate(
-                        self.pending_draft_tokens(r), r.max_new_tokens_left, len(r.prompt_token_ids), r.params.max_tokens, r.is_decoding
+                        self.pending_draft_tokens(r),
+                        r.max_new_tokens_left,
+                        prompt_tokens=len(r.prompt_token_ids),
+                        max_tokens=r.params.max_tokens,
+                        decoding=r.is_decoding,
                     )
-                    for r in decodes + prefilling
+                    for r in load
                 ]
             )
             wanted = wanted[: len(decodes)]

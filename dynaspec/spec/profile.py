@@ -129,8 +129,9 @@ def smooth_itl(batch_stats: dict[int, dict[int, float]]) -> dict[int, dict[int, 
       ITL(bs, K) for K >= 1 lies on a line in K (fitted by least squares, slope >= 0, never below
       K=0). K=0, where the drafter does not run at all, stays as measured unless it lies above
       that line's value at K=1: a plain step cannot cost more than a drafting one, so such a
-      cell is a hiccup and is put back on the line (its value at K=0) (one profile measured ITL(2, 0) = 764 ms between 331 at batch 1 and 390
-      at batch 4), before it can pool its neighbours up below;
+      cell is a hiccup and is put back on the line (its value at K=0) before it can pool its
+      neighbours up below (one profile measured ITL(2, 0) = 764 ms between 331 at batch 1 and
+      390 at batch 4);
     - a step never gets cheaper with more requests: each K's column is made non-decreasing in bs
       (isotonic regression, pool adjacent violators), which averages a dip with its neighbours
       rather than lifting it to the maximum.
