@@ -11,7 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
-from dynaspec.bench.datasets import load_prompts
+from dynaspec.datasets import load_prompts
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.engine.runner import TokenRun
 

@@ -3,7 +3,7 @@
 import json
 
 from dynaspec.cli import main
-from dynaspec.spec.profile import Profile, derive_table, save_profile
+from dynaspec.kpolicy.profile import Profile, derive_table, save_profile
 
 
 def test_sweep_tiny(tmp_path, target_dir):

@@ -6,9 +6,11 @@ import pytest
 
 import random
 
-from dynaspec.spec.cost import LiveScale, StepCostModel, StepTiming, fit_timings, prior_from_grid
-from dynaspec.spec.policy import DraftCandidate, FixedK, GoodputK, TableK
-from dynaspec.spec.profile import Profile, best_k, load_profile, save_profile
+from dynaspec.engine.types import DraftCandidate, StepTiming
+from dynaspec.kpolicy.cost import LiveScale, StepCostModel, fit_timings, prior_from_grid
+from dynaspec.kpolicy.policy import FixedK, GoodputK, TableK
+from records import step_record
+from dynaspec.kpolicy.profile import Profile, best_k, load_profile, save_profile
 
 # a machine where a target step costs 100 + 5/verify token + 3/prefill token, a drafter pass 10 + 2/row + 1/catch-up token
 TARGET, DRAFT = [100.0, 5.0, 3.0], [10.0, 2.0, 1.0]
@@ -92,12 +94,12 @@ def test_drafter_follows_the_machine_until_it_has_run():
 
 def test_live_costs_move_k():
     policy = GoodputK(Profile(4, [0.9, 0.85, 0.8, 0.75], GRID, cost_model={"target_ms": TARGET, "draft_pass_ms": DRAFT}), 4, 1)
-    k_before = policy.choose(16)
+    k_before = policy.k_for_batch(16)
     assert k_before > 0
     for _ in range(300):  # the drafter turns 10x slower than profiled
-        policy.observe_timing(StepTiming(16, 0, itl(16, 0) - 0.0, [(16, 0, 10 * (DRAFT[0] + DRAFT[1] * 16))]))
-        policy.observe_timing(StepTiming(16 * 4, 0, TARGET[0] + TARGET[1] * 64, [(16, 0, 10 * (DRAFT[0] + DRAFT[1] * 16))] * 3))
-    assert policy.choose(16) < k_before
+        policy.observe(step_record([], [], StepTiming(16, 0, itl(16, 0) - 0.0, [(16, 0, 10 * (DRAFT[0] + DRAFT[1] * 16))])))
+        policy.observe(step_record([], [], StepTiming(16 * 4, 0, TARGET[0] + TARGET[1] * 64, [(16, 0, 10 * (DRAFT[0] + DRAFT[1] * 16))] * 3)))
+    assert policy.k_for_batch(16) < k_before
 
 
 ALPHA4 = [0.9, 0.85, 0.8, 0.75]
@@ -111,38 +113,38 @@ def goodput(catchup_ms_per_token=5.0, hysteresis=1):
 def test_caught_up_batch_gets_the_plain_goodput_k():
     policy = goodput()
     for bs in (1, 4, 16, 64):
-        k, drafts = policy.choose_drafts([DraftCandidate(1, 100)] * bs)
+        k, drafts = policy.choose([DraftCandidate(1, 100)] * bs)
         assert k == best_k(ALPHA4, GRID, bs, 4) and drafts == [k] * bs
         policy.hysteresis.current = None
 
 
 def test_catchup_is_paid_only_when_the_request_has_tokens_left():
     policy = goodput()
-    k, _ = policy.choose_drafts([DraftCandidate(1, 100)] * 4)
+    k, _ = policy.choose([DraftCandidate(1, 100)] * 4)
     assert k > 0
     # a new request (the drafter has not seen its 200-token prompt, 5 ms per token to catch up)
     long_ahead = [DraftCandidate(1, 100)] * 3 + [DraftCandidate(200, 10_000)]
-    assert policy.choose_drafts(long_ahead) == (k, [k] * 4)
+    assert policy.choose(long_ahead) == (k, [k] * 4)
     nearly_done = [DraftCandidate(1, 100)] * 3 + [DraftCandidate(200, 3)]
-    assert policy.choose_drafts(nearly_done) == (k, [k, k, k, 0])
+    assert policy.choose(nearly_done) == (k, [k, k, k, 0])
     assert policy.snapshot()["requests_withheld"] == 1
 
 
 def test_no_drafting_at_all_when_nobody_is_caught_up_and_catchup_cannot_pay():
     policy = goodput(catchup_ms_per_token=50.0)
-    k, drafts = policy.choose_drafts([DraftCandidate(300, 20)] * 8)
+    k, drafts = policy.choose([DraftCandidate(300, 20)] * 8)
     assert drafts == [0] * 8 and k == 0
     cheap = goodput(catchup_ms_per_token=0.0)  # free catch-up: everyone drafts at the plain K
-    assert cheap.choose_drafts([DraftCandidate(300, 20)] * 8) == (best_k(ALPHA4, GRID, 8, 4), [best_k(ALPHA4, GRID, 8, 4)] * 8)
+    assert cheap.choose([DraftCandidate(300, 20)] * 8) == (best_k(ALPHA4, GRID, 8, 4), [best_k(ALPHA4, GRID, 8, 4)] * 8)
 
 
 def test_drafting_and_costs_never_crash_on_empty_data():
     policy = GoodputK(Profile(3, [], {}), 3)
-    assert policy.choose_drafts([]) == (0, [])
-    assert policy.choose_drafts([DraftCandidate(100, 10)] * 4) == (0, [0] * 4)
-    policy.observe_timing(StepTiming(0, 0, 0.0, []))
-    policy.observe_timing(StepTiming(3, 5, float("nan"), [(1, 0, 0.0)]))
-    assert policy.choose(3) == 0
+    assert policy.choose([]) == (0, [])
+    assert policy.choose([DraftCandidate(100, 10)] * 4) == (0, [0] * 4)
+    policy.observe(step_record([], [], StepTiming(0, 0, 0.0, [])))
+    policy.observe(step_record([], [], StepTiming(3, 5, float("nan"), [(1, 0, 0.0)])))
+    assert policy.k_for_batch(3) == 0
     assert "cost_model" in policy.snapshot()
 
 
@@ -162,16 +164,16 @@ def test_caught_up_slots_still_pay_the_steady_state_catchup_of_their_replacement
     policy = goodput(catchup_ms_per_token=5.0)
     # 8 caught-up requests with 200-token prompts and 20-token budgets: keeping them drafting means
     # catching up a 200-token newcomer every 20 tokens per slot, which no K repays at batch 8
-    assert policy.choose_drafts([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=20)] * 8) == (0, [0] * 8)
+    assert policy.choose([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=20)] * 8) == (0, [0] * 8)
     # counted as sunk (no prompt given), the same batch would draft
     policy.hysteresis.current = None
-    assert policy.choose_drafts([DraftCandidate(1, 10)] * 8)[0] > 0
+    assert policy.choose([DraftCandidate(1, 10)] * 8)[0] > 0
     # alone, the same request still drafts: speculation repays a catch-up easily at batch 1
     policy.hysteresis.current = None
-    assert policy.choose_drafts([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=20)])[0] > 0
+    assert policy.choose([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=20)])[0] > 0
     # long outputs make the slot cheap again
     policy.hysteresis.current = None
-    assert policy.choose_drafts([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=100_000)] * 8)[0] > 0
+    assert policy.choose([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=100_000)] * 8)[0] > 0
     assert DraftCandidate(300, 20, prompt_tokens=200, max_tokens=100).catchup_per_token() == pytest.approx(299 / 20)
 
 
@@ -182,14 +184,14 @@ def test_k_is_chosen_for_every_running_request_but_only_decoding_ones_draft():
     # 4 decoding requests while 60 newcomers prefill: the load is 64, where plain decoding wins,
     # though a decode batch of 4 alone would speculate
     prefilling = [DraftCandidate(200, 20, prompt_tokens=200, max_tokens=20, decoding=False)] * 60
-    assert policy.choose_drafts([DraftCandidate(1, 20)] * 4 + prefilling) == (0, [0] * 64)
+    assert policy.choose([DraftCandidate(1, 20)] * 4 + prefilling) == (0, [0] * 64)
     assert policy.snapshot()["k_by_batch_size"] == {64: 0}
     policy.hysteresis.current = None
     # 1 decoding request and 3 prefilling: K for a load of 4, drafted by the decoding one only
-    k, drafts = policy.choose_drafts([DraftCandidate(1, 20)] + prefilling[:3])
+    k, drafts = policy.choose([DraftCandidate(1, 20)] + prefilling[:3])
     assert (k, drafts) == (k_small, [k_small, 0, 0, 0])
     assert policy.snapshot()["requests_withheld"] == 0  # prefilling requests are not withheld, they cannot draft yet
     # fixed and table policies: prefilling requests never draft either
     table = TableK([[1, 4, 3], [5, 64, 0]], 4, hysteresis_steps=1)
-    assert table.choose_drafts([DraftCandidate(1, 20)] * 2 + prefilling[:3]) == (3, [3, 3, 0, 0, 0])
-    assert FixedK(2).choose_drafts([DraftCandidate(1, 20)] + prefilling[:1]) == (2, [2, 0])
+    assert table.choose([DraftCandidate(1, 20)] * 2 + prefilling[:3]) == (3, [3, 3, 0, 0, 0])
+    assert FixedK(2).choose([DraftCandidate(1, 20)] + prefilling[:1]) == (2, [2, 0])

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from dynaspec.spec.config import SpeculativeConfig, table_lookup
-from dynaspec.spec.policy import AcceptanceEstimate, FixedK, GoodputK, Hysteresis, TableK, make_policy
-from dynaspec.spec.profile import Profile, best_k, derive_table, interpolate_itl, load_profile, save_profile, smooth_itl
+from records import step_record
+from dynaspec.kpolicy.config import SpeculativeConfig, table_lookup
+from dynaspec.kpolicy.policy import AcceptanceEstimate, FixedK, GoodputK, Hysteresis, TableK, make_policy
+from dynaspec.kpolicy.profile import Profile, best_k, derive_table, interpolate_itl, load_profile, save_profile, smooth_itl
 
 # verification is cheap at small batch sizes and expensive at large ones, as on a real machine
 STATS = {
@@ -41,26 +42,26 @@ def test_no_crash_on_empty_or_zero_data():
     assert best_k(ALPHA, {1: {0: 0.0, 1: 0.0}}, 1, 4) == 0
     assert derive_table(ALPHA, {}, 4) == [[1, 1, 0]]
     policy = GoodputK(Profile(3, [], {}), 3)
-    policy.observe([], [])
-    policy.observe([3, 0], [0, 0])
-    assert policy.choose(0) == 0 and policy.choose(5) == 0
+    policy.observe(step_record([], []))
+    policy.observe(step_record([3, 0], [0, 0]))
+    assert policy.k_for_batch(0) == 0 and policy.k_for_batch(5) == 0
     assert policy.snapshot()["policy"] == "goodput"
     assert AcceptanceEstimate([], 0).rates() == []
 
 
 def test_goodput_k_moves_with_live_acceptance():
     policy = GoodputK(profile(), 4, hysteresis_steps=1)
-    assert policy.choose(8) == best_k(ALPHA, STATS, 8, 4)
-    start = policy.choose(8)
+    assert policy.k_for_batch(8) == best_k(ALPHA, STATS, 8, 4)
+    start = policy.k_for_batch(8)
     for _ in range(200):  # the drafter turns useless: nothing accepted
-        policy.observe([start or 1] * 8, [0] * 8)
-    assert policy.choose(8) == 0
-    assert policy.choose(1) <= 1
+        policy.observe(step_record([start or 1] * 8, [0] * 8))
+    assert policy.k_for_batch(8) == 0
+    assert policy.k_for_batch(1) <= 1
     for _ in range(400):  # now everything drafted at K=1 is accepted: positions above follow
-        policy.observe([1] * 8, [1] * 8)
+        policy.observe(step_record([1] * 8, [1] * 8))
     rates = policy.acceptance.rates()
     assert rates[0] > 0.95 and rates[1] > 0.6
-    assert policy.choose(1) == 4
+    assert policy.k_for_batch(1) == 4
 
 
 def test_acceptance_estimate_keeps_prior_shape_above_observed_positions():
@@ -82,9 +83,9 @@ def test_table_semantics_gap_above_and_clamp():
     table = ((1, 4, 5), (8, 16, 2), (17, 64, 0))
     assert [table_lookup(table, bs) for bs in (1, 4, 5, 7, 8, 16, 17, 500)] == [5, 5, 5, 5, 2, 2, 0, 0]
     policy = TableK(table, max_k=3, hysteresis_steps=1)
-    assert policy.choose(1) == 3  # clamped to num_speculative_tokens
-    assert policy.choose(10) == 2 and policy.choose(0) == 0
-    assert FixedK(3).choose(7) == 3 and FixedK(3).choose(0) == 0
+    assert policy.k_for_batch(1) == 3  # clamped to num_speculative_tokens
+    assert policy.k_for_batch(10) == 2 and policy.k_for_batch(0) == 0
+    assert FixedK(3).k_for_batch(7) == 3 and FixedK(3).k_for_batch(0) == 0
 
 
 def test_profile_round_trip_and_derived_table(tmp_path):
@@ -99,7 +100,7 @@ def test_profile_round_trip_and_derived_table(tmp_path):
     assert loaded.batch_stats == p.batch_stats and loaded.acceptance_rate_per_pos == ALPHA
     config = SpeculativeConfig.parse({"method": "ngram", "dynamic_config_path": str(path)})
     policy = make_policy(config)
-    assert isinstance(policy, GoodputK) and policy.choose(1) == 4
+    assert isinstance(policy, GoodputK) and policy.k_for_batch(1) == 4
 
 
 @pytest.mark.parametrize(
@@ -148,7 +149,7 @@ def test_smoothing_makes_each_k_non_decreasing_in_batch_size_and_keeps_clean_gri
 def test_goodput_policy_and_derived_table_use_the_smoothed_grid():
     noisy = {1: {0: 198.9, 1: 248.2, 2: 275.4, 3: 289.6, 4: 379.5, 5: 419.5}}
     alpha = [0.89, 0.85, 0.80, 0.76, 0.74]
-    assert GoodputK(Profile(5, alpha, noisy), 5, 1).choose(1) == 5
+    assert GoodputK(Profile(5, alpha, noisy), 5, 1).k_for_batch(1) == 5
     assert derive_table(alpha, noisy, 5) == [[1, 1, 5]]
 
 

@@ -3,8 +3,8 @@
 import json
 
 from dynaspec.cli import main
-from dynaspec.spec.profiler import ProfileSettings, measure_catchup, measure_itl
-from dynaspec.spec.profile import derive_table, load_profile
+from dynaspec.bench.profiler import ProfileSettings, measure_catchup, measure_itl
+from dynaspec.kpolicy.profile import derive_table, load_profile
 from test_engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggered
 
 

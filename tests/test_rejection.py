@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dynaspec.engine.sampler import SamplingTensors, processed_probs
-from dynaspec.spec.ngram import ngram_lookup
-from dynaspec.spec.rejection import rejection_sample
+from dynaspec.spec_decode.ngram import ngram_lookup
+from dynaspec.spec_decode.rejection import rejection_sample
 
 V, K, N = 6, 2, 12000
 # chi-square critical value for 5 degrees of freedom at p = 0.001

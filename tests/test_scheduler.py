@@ -14,11 +14,11 @@ class Recorder:
     def __init__(self):
         self.seen = []
 
-    def choose_drafts(self, candidates):
+    def choose(self, candidates):
         self.seen.append([c.decoding for c in candidates])
         return 2, [2 if c.decoding else 0 for c in candidates]
 
-    def observe(self, num_drafts, num_accepted):
+    def observe(self, record):
         pass
 
 
@@ -33,18 +33,18 @@ def request(i, prompt_len=100):
 
 def test_k_is_asked_for_the_load_while_arrivals_are_admitted_a_budget_at_a_time():
     recorder = Recorder()
-    scheduler = Scheduler(BlockAllocator(1024, 16), max_num_seqs=6, max_num_batched_tokens=250, k_chooser=recorder)
+    scheduler = Scheduler(BlockAllocator(1024, 16), max_num_seqs=6, max_num_batched_tokens=250)
     for i in range(8):
         scheduler.add(request(i))
-    first = scheduler.schedule()  # two whole prompts fit the 250-token budget, and half a third
+    first = scheduler.schedule(recorder)  # two whole prompts fit the 250-token budget, and half a third
     assert first.decodes == [] and [c.num_tokens for c in first.prefills] == [100, 100, 50]
     assert recorder.seen == []  # nobody decodes yet: the policy is not asked
     for chunk in first.prefills:  # the prefill step ran; its complete prefills sampled a token
         chunk.request.num_computed_tokens += chunk.num_tokens
         if chunk.completes:
             chunk.request.output_token_ids.append(7)
-    second = scheduler.schedule()
-    assert len(second.decodes) == 2 and second.max_drafts == [2, 2]
+    second = scheduler.schedule(recorder)
+    assert len(second.decodes) == 2 and second.k_caps == [2, 2]
     # shown: 2 decoding, then 1 still prefilling and 3 of the 5 waiting (6 = max_num_seqs in all)
     assert recorder.seen == [[True, True, False, False, False, False]]
     assert [c.request.request_id for c in second.prefills][0] == "r2"

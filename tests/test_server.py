@@ -100,7 +100,7 @@ def test_health(server):
 def test_goodput_policy_state_in_metrics(tmp_path, target_dir):
     """A goodput server whose profile prices drafter catch-up out of reach: /metrics shows the K it
     chose (0: no prompt is worth catching up on), the withheld counter and the acceptance estimates."""
-    from dynaspec.spec.profile import Profile, save_profile
+    from dynaspec.kpolicy.profile import Profile, save_profile
 
     stats = {bs: {0: 100.0, 1: 10.0, 2: 10.0} for bs in (1, 8)}
     save_profile(Profile(2, [0.9, 0.8], stats, cost_model={"target_ms": [1.0, 0.0, 0.0], "draft_pass_ms": [0.01, 0.0, 1e6]}),

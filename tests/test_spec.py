@@ -58,11 +58,9 @@ def test_k0_runs_no_drafter(target_dir, draft_dir, plain):
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3,
             "num_speculative_tokens_per_batch_size": [[1, 256, 0]]}
     engine = spec_engine(target_dir, spec)
-    calls = []
-    original = engine.proposer.runner.run
-    engine.proposer.runner.run = lambda runs: calls.append(len(runs)) or original(runs)
-    assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
-    assert calls == []
+    with engine.recording() as run:
+        assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
+    assert run.timings and all(t.draft_passes == [] for t in run.timings)  # the drafter never ran
     assert engine.stats()["spec"]["num_draft_tokens"] == 0
 
 
@@ -96,7 +94,7 @@ def test_goodput_withholds_drafts_whose_catchup_cannot_pay(tmp_path, target_dir,
     """A profile where K = 3 is far cheaper than K = 0 wants K = 3 whatever the live costs once the
     drafter is caught up; the catch-up price decides whether new requests get drafts at all.
     Either way the output is the plain one."""
-    from dynaspec.spec.profile import Profile, save_profile
+    from dynaspec.kpolicy.profile import Profile, save_profile
 
     stats = {bs: {0: 100.0, 1: 10.0, 2: 10.0, 3: 10.0} for bs in (1, 8)}
     profile = Profile(3, [1.0, 1.0, 1.0], stats, cost_model={"target_ms": [1.0, 0.0, 0.0], "draft_pass_ms": [0.01, 0.0, catchup_ms]})
@@ -104,13 +102,12 @@ def test_goodput_withholds_drafts_whose_catchup_cannot_pay(tmp_path, target_dir,
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3,
             "dynamic_config_path": str(tmp_path / "p.json")}
     engine = spec_engine(target_dir, spec)
-    calls = []
-    original = engine.proposer.runner.run
-    engine.proposer.runner.run = lambda runs: calls.append(len(runs)) or original(runs)
-    assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
+    with engine.recording() as run:
+        assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
+    passes = [p for t in run.timings for p in t.draft_passes]  # every drafter pass of the run
     snapshot = engine.stats()["spec"]["policy"]
     if catchup_ms:  # prompts would cost 1e6 ms per token to catch up: no request ever drafts
-        assert calls == [] and set(snapshot["k_by_batch_size"].values()) == {0}
+        assert passes == [] and set(snapshot["k_by_batch_size"].values()) == {0}
     else:  # catching up is free: requests draft (until live acceptance and costs say otherwise)
-        assert calls and snapshot["requests_withheld"] == 0
-        assert snapshot["cost_model"]["observations"]["draft_passes"] == len(calls)
+        assert passes and snapshot["requests_withheld"] == 0
+        assert snapshot["cost_model"]["observations"]["draft_passes"] == len(passes)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dynaspec.spec.config import SpeculativeConfig
+from dynaspec.kpolicy.config import SpeculativeConfig
 
 GOOD = {"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 5,
         "num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 16, 2], [17, 256, 0]]}

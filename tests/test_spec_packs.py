@@ -13,8 +13,8 @@ import torch
 from dynaspec import SamplingParams
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.engine.runner import TokenRun
-from dynaspec.spec.policy import FixedK, make_policy
-from dynaspec.spec.config import SpeculativeConfig
+from dynaspec.kpolicy.policy import FixedK, make_policy
+from dynaspec.kpolicy.config import SpeculativeConfig
 
 pytestmark = pytest.mark.packs
 
@@ -36,7 +36,7 @@ def _plain_and_speculative(dtype: str) -> tuple[Engine, list[list[int]], list[li
     engine = Engine(EngineConfig(model=TARGET, dtype=dtype, speculative_config=SPEC, kv_cache_memory_gb=0.5, progress=False))
     outputs = []
     for policy in (FixedK(0), make_policy(SpeculativeConfig.parse(SPEC))):
-        engine.scheduler.k_chooser = policy
+        engine.set_k_policy(policy)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
         requests = [engine.add_request(p, params) for p in PROMPTS]
         while engine.has_unfinished():

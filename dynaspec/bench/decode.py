@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from dynaspec.bench.datasets import load_prompts
+    from dynaspec.datasets import load_prompts
     from dynaspec.engine.engine import Engine, EngineConfig
     from dynaspec.models.loader import resolve_model
     from dynaspec.sampling_params import SamplingParams

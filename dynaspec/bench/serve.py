@@ -89,7 +89,7 @@ def spec_metrics(text: str) -> dict[str, float]:
 async def _bench(args) -> dict:
     import httpx
 
-    from dynaspec.bench.datasets import load_prompts
+    from dynaspec.datasets import load_prompts
 
     prompts = load_prompts(args.dataset, chat=True)
     rng = random.Random(args.seed)

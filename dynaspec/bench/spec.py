@@ -32,10 +32,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dynaspec.bench.datasets import load_prompts
+    from dynaspec.datasets import load_prompts
     from dynaspec.engine.engine import Engine, EngineConfig
     from dynaspec.sampling_params import SamplingParams
-    from dynaspec.spec.policy import FixedK
+    from dynaspec.kpolicy.policy import FixedK
 
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
     if not ks or min(ks) < 0 or max(ks) < 1:
@@ -63,20 +63,19 @@ def run(args: argparse.Namespace) -> int:
         for name, engine_name, k in configs:
             engine = engines[engine_name]
             if k is not None:
-                engine.scheduler.k_chooser = FixedK(k)
-            spec = engine.counters.spec
-            before = (spec.num_accepted_tokens, spec.num_drafts, list(spec.accepted_per_pos))
+                engine.set_k_policy(FixedK(k))
             start = time.perf_counter()
-            request = engine.add_request(ids, params)
-            while engine.has_unfinished():
-                engine.step()
+            with engine.recording() as run:
+                request = engine.add_request(ids, params)
+                while engine.has_unfinished():
+                    engine.step()
             t = totals[name]
             t["wall"] += time.perf_counter() - start
             t["tokens"] += len(request.output_token_ids)
             t["outputs"].append(request.output_token_ids)
-            t["accepted"] += spec.num_accepted_tokens - before[0]
-            t["drafts"] += spec.num_drafts - before[1]
-            t["per_pos"] = _add(t["per_pos"], _sub(spec.accepted_per_pos, before[2]))
+            t["accepted"] += run.spec.num_accepted_tokens
+            t["drafts"] += run.spec.num_drafts
+            t["per_pos"] = _add(t["per_pos"], run.spec.accepted_per_pos)
         print(f"prompt done: {len(ids)} prompt tokens", flush=True)
     del engines
     gc.collect()
@@ -126,10 +125,6 @@ def _run_transformers(args, prompt_ids, totals) -> None:
             new = out[0, len(ids):].tolist()
             t["tokens"] += len(new)
             t["outputs"].append(new)
-
-
-def _sub(a: list[int], b: list[int]) -> list[int]:
-    return [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
 
 
 def _add(a: list[int], b: list[int]) -> list[int]:

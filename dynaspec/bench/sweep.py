@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from dynaspec.engine.args import add_engine_args
+
 TABLE_HEADER = (
     f"{'C':>4} {'config':<9} {'tok/s':>8} {'TPOT mean':>10} {'TPOT med':>9} {'AL':>5} {'vs best':>8} "
     f"{'by round':>13} {'wall s':>7}"
@@ -31,8 +33,6 @@ TABLE_HEADER = (
 
 def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="concurrency sweep: none, fixed K, profiled table, goodput policy")
-    from dynaspec.cli.common import add_engine_args
-
     add_engine_args(p, model_required=False)  # not needed with --from-json
     p.add_argument("--profile", help="profile JSON from `dynaspec profile` (required unless --from-json)")
     p.add_argument("--from-json", default=None, metavar="PATH",
@@ -118,13 +118,13 @@ def closed_loop(engine, prompts: list, concurrency: int, params) -> tuple[float,
 
 
 def run(args: argparse.Namespace) -> int:
-    from dynaspec.bench.datasets import load_prompts
-    from dynaspec.cli.common import check_at_least, engine_kwargs
+    from dynaspec.datasets import load_prompts
+    from dynaspec.engine.args import check_at_least, engine_kwargs
     from dynaspec.engine.engine import Engine, EngineConfig
     from dynaspec.sampling_params import SamplingParams
-    from dynaspec.spec.config import SpeculativeConfig
-    from dynaspec.spec.policy import FixedK, GoodputK, TableK
-    from dynaspec.spec.profile import load_profile
+    from dynaspec.kpolicy.config import SpeculativeConfig
+    from dynaspec.kpolicy.policy import FixedK, GoodputK, TableK
+    from dynaspec.kpolicy.profile import load_profile
 
     if args.from_json:
         return report_saved(args.from_json, args.plot)
@@ -227,17 +227,16 @@ def report_saved(path: str, plot: str | None) -> int:
 def _run_config(engines: dict, policies: dict, name: str, prompts: list, concurrency: int, params) -> RunResult:
     engine = engines["none" if name == "none" else "spec"]
     if name != "none":
-        engine.scheduler.k_chooser = policies[name]()  # fresh: no acceptance or cost history carried over
-    before = (engine.counters.spec.num_drafts, engine.counters.spec.num_accepted_tokens)
-    wall, requests, tpot = closed_loop(engine, prompts, concurrency, params)
-    drafts = engine.counters.spec.num_drafts - before[0]
-    accepted = engine.counters.spec.num_accepted_tokens - before[1]
+        engine.set_k_policy(policies[name]())  # fresh: no acceptance or cost history carried over
+    with engine.recording() as run:
+        wall, requests, tpot = closed_loop(engine, prompts, concurrency, params)
+    drafts, accepted = run.spec.num_drafts, run.spec.num_accepted_tokens
     tokens = sum(len(r.output_token_ids) for r in requests)
     return RunResult(
         concurrency=concurrency, config=name, output_tokens=tokens, wall_s=wall, tpot_ms=tpot,
         acceptance_length=(1 + accepted / drafts) if drafts else None,
         token_ids=[r.output_token_ids for r in requests],
-        policy=engine.scheduler.k_chooser.snapshot() if name != "none" else None,
+        policy=engine.k_policy.snapshot() if name != "none" else None,
         drafts=drafts, accepted=accepted, rates=[tokens / wall if wall > 0 else 0.0],
     )
 

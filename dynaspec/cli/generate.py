@@ -7,8 +7,8 @@ import json
 import sys
 import time
 
-from dynaspec.bench.datasets import load_prompts
-from dynaspec.cli.common import add_engine_args, engine_kwargs
+from dynaspec.datasets import load_prompts
+from dynaspec.engine.args import add_engine_args, engine_kwargs
 from dynaspec.sampling_params import SamplingParams
 
 

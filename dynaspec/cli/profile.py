@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dynaspec.cli.common import add_engine_args, check_at_least, engine_kwargs
+from dynaspec.engine.args import add_engine_args, check_at_least, engine_kwargs
 
 
 def add_parser(sub) -> None:
@@ -37,11 +37,11 @@ def _batch_sizes(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dynaspec.bench.datasets import load_prompts
+    from dynaspec.datasets import load_prompts
     from dynaspec.engine.engine import Engine, EngineConfig
-    from dynaspec.spec.config import SpeculativeConfig
-    from dynaspec.spec.profile import save_profile
-    from dynaspec.spec.profiler import ProfileSettings, run_profile
+    from dynaspec.kpolicy.config import SpeculativeConfig
+    from dynaspec.kpolicy.profile import save_profile
+    from dynaspec.bench.profiler import ProfileSettings, run_profile
 
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None:
@@ -87,7 +87,7 @@ def plot_goodput(profile, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dynaspec.spec.profile import acceptance_length, best_k, smooth_itl
+    from dynaspec.kpolicy.profile import acceptance_length, best_k, smooth_itl
 
     sizes = sorted(profile.batch_stats)
     alpha = profile.acceptance_rate_per_pos

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dynaspec.cli.common import add_engine_args, engine_kwargs
+from dynaspec.engine.args import add_engine_args, engine_kwargs
 
 
 def add_parser(sub) -> None:

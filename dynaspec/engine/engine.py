@@ -2,29 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
 from dynaspec.engine.kv_cache import BlockAllocator, kv_bytes_per_token
 from dynaspec.engine.request import Request, RequestOutput
-from dynaspec.engine.runner import ModelRunner, TokenRun
+from dynaspec.engine.runner import ModelRunner
 from dynaspec.engine.sampler import SamplingTensors
-from dynaspec.engine.scheduler import SchedulePlan, Scheduler, StepResult
+from dynaspec.engine.scheduler import Scheduler
+from dynaspec.engine.types import KPolicy, StepRecord, StepTiming
+from dynaspec.kpolicy.config import SpeculativeConfig
+from dynaspec.kpolicy.policy import make_policy
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_hf_dir, resolve_model
 from dynaspec.models.tokenizer import IncrementalDetokenizer
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec.config import SpeculativeConfig
-from dynaspec.spec.cost import StepTiming
-from dynaspec.spec.policy import make_policy
-from dynaspec.spec.proposer import Drafts, ProposerContext, make_proposer
-from dynaspec.spec.rejection import rejection_sample
-from dynaspec.spec.stats import SpecStats
+from dynaspec.spec_decode.proposer import ProposerContext, make_proposer
+from dynaspec.spec_decode.rejection import verify
+from dynaspec.spec_decode.stats import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,14 @@ class EngineCounters:
     spec: SpecStats = field(default_factory=SpecStats)
 
 
+@dataclass(slots=True)
+class Recording:
+    """What the engine did inside one ``Engine.recording()`` block."""
+
+    spec: SpecStats = field(default_factory=SpecStats)
+    timings: list[StepTiming] = field(default_factory=list)  # one per step
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -104,16 +114,12 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.runner = ModelRunner(model, num_blocks * config.block_size, config.block_size, dtype, device)
         self.proposer.allocate_kv(num_blocks * config.block_size)
-        self.k_policy = make_policy(config.speculative_config) if config.speculative_config else None
+        self._k_policy = make_policy(config.speculative_config) if config.speculative_config else None
         self.scheduler = Scheduler(
-            self.allocator,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.k_policy,
-            pending_draft_tokens=getattr(self.proposer, "pending_tokens", None),
+            self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.proposer.unseen_tokens
         )
-        self.last_timing: StepTiming | None = None  # pass times of the latest step (profiler, cost model)
         self.counters = EngineCounters()
+        self._recordings: list[Recording] = []  # open ``recording()`` blocks
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
         self.device = device
@@ -169,73 +175,60 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- the K policy ---------------------------------------------------------------------
+    @property
+    def k_policy(self) -> KPolicy | None:
+        """The policy choosing K each step (None without speculation); the engine is its one owner."""
+        return self._k_policy
+
+    def set_k_policy(self, policy: KPolicy) -> KPolicy:
+        """Swap the K policy (benchmarks, the profiler); returns the previous one."""
+        if self._k_policy is None:
+            raise ValueError("speculative_config: this engine has no proposer; a K policy needs one")
+        previous, self._k_policy = self._k_policy, policy
+        return previous
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[Recording]:
+        """Statistics and pass timings of the steps taken inside the block only (one run's)."""
+        recording = Recording()
+        self._recordings.append(recording)
+        try:
+            yield recording
+        finally:
+            self._recordings.remove(recording)
+
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()  # who runs, tokens each, K for this step
-        self.proposer.release(plan.released)
-        if not plan.decodes and not plan.prefills:
+        plan = self.scheduler.schedule(self._k_policy)  # who runs, tokens each, K for this step
+        self.proposer.release(plan.released)  # forget finished and preempted requests
+        if plan.is_empty:
             return []
-        sampling = self._sampling(plan)
-        drafts = self.proposer.propose(plan, sampling)  # drafts for the decode requests
-        drafts = drafts.padded(len(plan.sampled))
+        sampling = SamplingTensors.build([r.params for r in plan.sampled], [r.generator for r in plan.sampled], self.device)
+        drafts = self.proposer.propose(plan, sampling)  # up to k_caps[i] draft tokens per decode
         start = time.perf_counter()
-        logits = self._verify(plan, drafts)  # one target pass over last tokens + drafts + prefills
-        self._sync()
-        target_ms = (time.perf_counter() - start) * 1000
-        tokens = rejection_sample(logits, drafts.token_ids, drafts.num_drafts, drafts.probs, sampling)
-        result = StepResult(token_ids=tokens, num_drafts=drafts.num_drafts[: plan.num_decodes])
+        logits = self.runner.forward(plan, drafts)  # one target pass: last tokens + drafts + prefills
+        target_ms = self._elapsed_ms(start)
+        result = verify(logits, drafts, sampling)  # rejection sampling: accepted drafts + one token each
         self.proposer.commit(plan, result)  # e.g. draft-model KV catch-up
-        self._observe(plan, result)
-        self.last_timing = StepTiming(
-            verify_tokens=plan.num_decodes + sum(result.num_drafts),
-            prefill_tokens=sum(c.num_tokens for c in plan.prefills),
-            target_ms=target_ms,
-            draft_passes=list(getattr(self.proposer, "last_pass_timings", ())) if plan.k else [],
-        )
-        if self.scheduler.k_chooser is not None:
-            self.scheduler.k_chooser.observe_timing(self.last_timing)
+        self._observe(StepRecord(plan, result, StepTiming.of(plan, result, target_ms, drafts.passes)))
         return self.scheduler.update(plan, result)  # append, finish, free KV
 
-    def _sync(self) -> None:
+    def _elapsed_ms(self, start: float) -> float:
         if self.device.type == "cuda":  # kernels are asynchronous: time what really ran
             torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - start) * 1000
 
-    def _sampling(self, plan: SchedulePlan) -> SamplingTensors:
-        sampled = plan.sampled
-        return SamplingTensors.build([r.params for r in sampled], [r.generator for r in sampled], self.device)
-
-    def _verify(self, plan: SchedulePlan, drafts: Drafts) -> torch.Tensor:  # [len(sampled), k + 1, vocab]
-        runs = []
-        for i, r in enumerate(plan.decodes):
-            n = drafts.num_drafts[i]
-            last = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
-            runs.append(TokenRun([last] + drafts.token_ids[i, :n].tolist(), r.num_computed_tokens, r.block_ids, list(range(n + 1))))
-        for chunk in plan.prefills:
-            r = chunk.request
-            start = r.num_computed_tokens
-            rows = [chunk.num_tokens - 1] if chunk.completes else []
-            runs.append(TokenRun(r.token_at(start, start + chunk.num_tokens), start, r.block_ids, rows))
-        flat = self.runner.run(runs)  # [rows, vocab]
-        width = drafts.k + 1
-        padded = flat.new_zeros(len(plan.sampled), width, flat.shape[-1])
-        row = 0
-        sampled_i = 0
-        for run in runs:
-            n = len(run.logit_rows)
-            if n:
-                padded[sampled_i, :n] = flat[row : row + n]
-                sampled_i += 1
-                row += n
-        return padded
-
-    def _observe(self, plan: SchedulePlan, result: StepResult) -> None:
+    def _observe(self, record: StepRecord) -> None:
         c = self.counters
         c.num_steps += 1
-        c.num_generated_tokens += sum(len(t) for t in result.token_ids)
-        if plan.num_decodes:
-            c.spec.observe(
-                plan.num_decodes, plan.chosen_k, result.num_drafts, [len(t) for t in result.token_ids[: plan.num_decodes]]
-            )
+        c.num_generated_tokens += sum(len(t) for t in record.result.token_ids)
+        c.spec.observe(record)
+        if self._k_policy is not None:
+            self._k_policy.observe(record)
+        for recording in self._recordings:
+            recording.spec.observe(record)
+            recording.timings.append(record.timing)
 
     def stats(self) -> dict:
         out = {
@@ -247,5 +240,5 @@ class Engine:
         }
         if self.config.speculative_config is not None:
             out["spec"] = self.counters.spec.to_dict()
-            out["spec"]["policy"] = self.k_policy.snapshot()
+            out["spec"]["policy"] = self._k_policy.snapshot()
         return out

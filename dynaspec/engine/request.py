@@ -70,7 +70,8 @@ class Request:
         return self.status is RequestStatus.RUNNING and self.num_computed_tokens == self.num_tokens - 1
 
     @property
-    def max_new_tokens_left(self) -> int:
+    def tokens_left(self) -> int:
+        """Tokens it may still generate: max_tokens or the model's context, whichever ends first."""
         by_params = self.params.max_tokens - len(self.output_token_ids)
         by_context = self.max_total_tokens - self.num_tokens
         return max(0, min(by_params, by_context))
@@ -94,7 +95,7 @@ class Request:
                     self.output_text = self.output_text[:at]
                     self.finish_reason = FinishReason.STOP
                     return True
-        if self.max_new_tokens_left == 0:
+        if self.tokens_left == 0:
             self.finish_reason = FinishReason.LENGTH
             return True
         return False

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dynaspec.engine.kv_cache import allocate_kv_cache
+from dynaspec.engine.types import Drafts, SchedulePlan
 from dynaspec.models.attention import build_attention_metadata
 from dynaspec.models.llama import LlamaModel
 
@@ -22,11 +23,37 @@ class TokenRun:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_slots: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaModel, num_slots: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.kv_caches = allocate_kv_cache(model.config, num_slots, dtype, device)
+
+    def forward(self, plan: SchedulePlan, drafts: Drafts) -> torch.Tensor:  # [len(plan.sampled), k + 1, vocab]
+        """The target's pass for a step: each decode's last token and drafts, then the prefill chunks.
+
+        Row i of the result holds the logits of ``plan.sampled[i]``: a decode's last token and
+        its draft tokens, or a completing prefill's last prompt token (rows past what a request
+        verifies are zero).
+        """
+        runs = []
+        draft_rows = drafts.token_ids.tolist()  # one copy to the host for the whole batch
+        for r, row, n in zip(plan.decodes, draft_rows, drafts.draft_lens):
+            last = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
+            runs.append(TokenRun([last] + row[:n], r.num_computed_tokens, r.block_ids, list(range(n + 1))))
+        for chunk in plan.prefills:
+            r = chunk.request
+            start = r.num_computed_tokens
+            rows = [chunk.num_tokens - 1] if chunk.completes else []
+            runs.append(TokenRun(r.token_at(start, start + chunk.num_tokens), start, r.block_ids, rows))
+        flat = self.run(runs)  # [sum of logit rows, vocab]
+        lengths = [len(run.logit_rows) for run in runs if run.logit_rows]
+        out = flat.new_zeros(len(lengths), drafts.k + 1, flat.shape[-1])
+        for i, piece in enumerate(flat.split(lengths)):
+            out[i, : len(piece)] = piece
+        return out
 
     def run(self, runs: list[TokenRun]) -> torch.Tensor:  # [sum(len(r.logit_rows)), vocab] float32
         """One forward pass over all runs; logits for the requested rows, in run order."""
@@ -48,4 +75,5 @@ class ModelRunner:
             self.kv_caches,
             meta,
         )
-        return self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device)))
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows_t))

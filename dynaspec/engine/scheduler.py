@@ -10,52 +10,11 @@ from __future__ import annotations
 
 import collections
 import itertools
-from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable
 
 from dynaspec.engine.kv_cache import BlockAllocator
 from dynaspec.engine.request import FinishReason, Request, RequestOutput, RequestStatus
-from dynaspec.spec.policy import DraftCandidate
-
-
-class KChooser(Protocol):
-    def choose_drafts(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]: ...
-    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None: ...
-
-
-@dataclass(slots=True)
-class PrefillChunk:
-    request: Request
-    num_tokens: int  # prompt tokens computed this step
-    completes: bool = False  # reaches the last token, so the step samples the next token
-
-    def __post_init__(self) -> None:
-        self.completes = self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulePlan:
-    decodes: list[Request]  # each verifies its last token plus up to max_drafts[i] drafts
-    max_drafts: list[int]  # [len(decodes)] per-request cap on K (short of max_tokens / context)
-    prefills: list[PrefillChunk]
-    k: int  # drafts the step really makes at most (the policy's K after per-request caps and gates)
-    chosen_k: int = 0  # the policy's K for this batch size (stats)
-    released: list[str] = field(default_factory=list)  # preempted or finished since the last plan
-
-    @property
-    def sampled(self) -> list[Request]:
-        """Requests that get new tokens this step: decodes, then prefills that complete."""
-        return self.decodes + [c.request for c in self.prefills if c.completes]
-
-    @property
-    def num_decodes(self) -> int:
-        return len(self.decodes)
-
-
-@dataclass(slots=True)
-class StepResult:
-    token_ids: list[list[int]]  # per plan.sampled request: emitted tokens (accepted drafts + 1)
-    num_drafts: list[int]  # per decode: drafts verified
+from dynaspec.engine.types import DraftCandidate, KPolicy, PrefillChunk, SchedulePlan, StepResult
 
 
 class Scheduler:
@@ -64,15 +23,13 @@ class Scheduler:
         allocator: BlockAllocator,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        k_chooser: KChooser | None,
-        pending_draft_tokens: Callable[[Request], int] | None = None,
+        unseen_tokens: Callable[[Request], int] = lambda request: 0,
     ) -> None:
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.k_chooser = k_chooser
         # tokens the proposer must catch up on before it can draft for a request (0 for ngram)
-        self.pending_draft_tokens = pending_draft_tokens or (lambda r: 0)
+        self.unseen_tokens = unseen_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._released: list[str] = []
@@ -93,38 +50,23 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulePlan:
+    def schedule(self, k_policy: KPolicy | None) -> SchedulePlan:
+        """Plan one step; ``k_policy`` (None: no speculation) chooses K for the decodes."""
         decodes = [r for r in self.running if r.is_decoding]
-        k, wanted = 0, [0] * len(decodes)
-        if self.k_chooser is not None and decodes:
-            # K is chosen for the load: decodes first, then the requests that will share their
-            # steps before they can draft (prefilling, and waiting ones up to max_num_seqs)
-            room = max(0, self.max_num_seqs - len(self.running))
-            prefilling = [r for r in self.running if not r.is_decoding]
-            load = decodes + prefilling + list(itertools.islice(self.waiting, room))  # not a copy of the whole queue
-            k, wanted = self.k_chooser.choose_drafts(
-                [
-                    DraftCandidate(
-                        self.pending_draft_tokens(r),
-                        r.max_new_tokens_left,
-                        prompt_tokens=len(r.prompt_token_ids),
-                        max_tokens=r.params.max_tokens,
-                        decoding=r.is_decoding,
-                    )
-                    for r in load
-                ]
-            )
+        chosen_k, wanted = 0, [0] * len(decodes)
+        if k_policy is not None and decodes:
+            chosen_k, wanted = k_policy.choose(self._load(decodes))
             wanted = wanted[: len(decodes)]
-        max_drafts: dict[str, int] = {}
+        k_caps: dict[str, int] = {}
         for r, want in zip(list(decodes), wanted):
             if r.status is not RequestStatus.RUNNING:  # preempted to make room for an older one
                 continue
-            cap = min(want, max(0, r.max_new_tokens_left - 1))
+            cap = min(want, max(0, r.tokens_left - 1))
             if not self._reserve(r, r.num_tokens + cap):
                 continue
-            max_drafts[r.request_id] = cap
-        decodes = [r for r in decodes if r.request_id in max_drafts]
-        budget = self.max_num_batched_tokens - sum(1 + c for c in max_drafts.values())
+            k_caps[r.request_id] = cap
+        decodes = [r for r in decodes if r.request_id in k_caps]
+        budget = self.max_num_batched_tokens - sum(1 + c for c in k_caps.values())
 
         prefills = []
         for r in [r for r in self.running if not r.is_decoding]:
@@ -150,18 +92,31 @@ class Scheduler:
         released, self._released = self._released, []
         return SchedulePlan(
             decodes=decodes,
-            max_drafts=[max_drafts[r.request_id] for r in decodes],
+            k_caps=[k_caps[r.request_id] for r in decodes],
             prefills=prefills,
-            k=max(max_drafts.values(), default=0),
-            chosen_k=k,
+            chosen_k=chosen_k,
             released=released,
         )
 
+    def _load(self, decodes: list[Request]) -> list[DraftCandidate]:
+        """The load K is chosen for: the decodes first, then the requests that will share their steps
+        before they can draft (those prefilling, and waiting ones up to max_num_seqs)."""
+        room = max(0, self.max_num_seqs - len(self.running))
+        prefilling = [r for r in self.running if not r.is_decoding]
+        load = decodes + prefilling + list(itertools.islice(self.waiting, room))  # no copy of the whole queue
+        return [
+            DraftCandidate(
+                unseen_tokens=self.unseen_tokens(r),
+                tokens_left=r.tokens_left,
+                prompt_tokens=len(r.prompt_token_ids),
+                max_tokens=r.params.max_tokens,
+                decoding=r.is_decoding,
+            )
+            for r in load
+        ]
+
     def update(self, plan: SchedulePlan, result: StepResult) -> list[RequestOutput]:
         """Apply a step's tokens: advance computed counts, append, finish and free."""
-        if self.k_chooser is not None and plan.decodes:
-            accepted = [len(t) - 1 for t in result.token_ids[: plan.num_decodes]]
-            self.k_chooser.observe(result.num_drafts, accepted)
         for chunk in plan.prefills:
             chunk.request.num_computed_tokens += chunk.num_tokens
         outputs = []

@@ -1,4 +1,4 @@
-"""K policies: the scheduler asks one for K once per step, and tells it what was accepted.
+"""K policies: asked for K once per step (by the scheduler, for the load), told what each step did.
 
 - ``FixedK``: always ``num_speculative_tokens``.
 - ``TableK``: the per-batch-size table (``num_speculative_tokens_per_batch_size``).
@@ -13,47 +13,20 @@ Every division is guarded: empty or zero data never crashes a policy.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
-from dynaspec.spec.config import SpeculativeConfig, table_lookup
-from dynaspec.spec.cost import StepCostModel, StepTiming, prior_from_grid
-from dynaspec.spec.profile import Profile, acceptance_length, argmax_goodput, interpolate_itl, load_profile, smooth_itl
+from dynaspec.engine.types import DraftCandidate, KPolicy, StepRecord
+from dynaspec.kpolicy.config import SpeculativeConfig, table_lookup
+from dynaspec.kpolicy.cost import StepCostModel, prior_from_grid
+from dynaspec.kpolicy.profile import (
+    Profile,
+    acceptance_length,
+    interpolate_itl,
+    load_profile,
+    smooth_itl,
+)
 
 log = logging.getLogger(__name__)
-
-
-class KPolicy(Protocol):
-    def choose(self, num_decode_requests: int) -> int: ...
-    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None: ...
-    def choose_drafts(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]: ...
-    def observe_timing(self, timing: StepTiming) -> None: ...
-    def snapshot(self) -> dict: ...
-
-
-@dataclass(frozen=True, slots=True)
-class DraftCandidate:
-    """A decoding request as the policy sees it when deciding who drafts."""
-
-    pending_tokens: int  # tokens the proposer must process before drafting (1 when caught up)
-    horizon: int  # tokens the request may still generate (max_tokens left)
-    prompt_tokens: int = 0  # its prompt: about what the request taking over its slot will cost to catch up on
-    max_tokens: int = 1  # its whole output budget, over which that catch-up is repaid
-    decoding: bool = True  # False while its prompt is still being prefilled: it counts, but cannot draft yet
-
-    def catchup_per_token(self) -> float:
-        """Catch-up tokens this slot costs the drafter per token it generates, if it drafts.
-
-        The larger of what this request still owes (its unseen tokens over the tokens it may
-        still generate) and what drafting in this slot costs in steady state: under continuous
-        load a finished request is replaced by a new one whose prompt the drafter must catch up
-        on, so every drafting slot pays about one prompt per output budget. Counting only the
-        first (what is owed now) made each step's choice look right while the regime it kept
-        was wrong: at concurrency 8 with 24-token outputs, caught-up requests looked free to keep
-        drafting, yet each newcomer's ~137-token catch-up made speculation lose to plain decoding
-        by 20%."""
-        owed = (self.pending_tokens - 1) / max(1, self.horizon) if self.pending_tokens > 1 else 0.0
-        return max(owed, self.prompt_tokens / max(1, self.max_tokens))
 
 
 class Hysteresis:
@@ -81,19 +54,16 @@ class Hysteresis:
 
 
 class _SameKForAll:
-    """Policies that learn nothing live: one K per step, every decode drafts it."""
+    """Policies that learn nothing live: one K per step for the decode batch, every decode drafts it."""
 
-    def choose(self, num_decode_requests: int) -> int:
+    def k_for_batch(self, batch_size: int) -> int:
         raise NotImplementedError
 
-    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
-        pass
-
-    def choose_drafts(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
-        k = self.choose(sum(c.decoding for c in candidates))
+    def choose(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
+        k = self.k_for_batch(sum(c.decoding for c in candidates))
         return k, [k if c.decoding else 0 for c in candidates]
 
-    def observe_timing(self, timing: StepTiming) -> None:
+    def observe(self, record: StepRecord) -> None:
         pass
 
 
@@ -101,8 +71,8 @@ class FixedK(_SameKForAll):
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def choose(self, num_decode_requests: int) -> int:
-        return self.k if num_decode_requests else 0
+    def k_for_batch(self, batch_size: int) -> int:
+        return self.k if batch_size else 0
 
     def snapshot(self) -> dict:
         return {"policy": "fixed", "k": self.k}
@@ -115,12 +85,12 @@ class TableK(_SameKForAll):
         self.hysteresis = Hysteresis(hysteresis_steps)
         self.k_by_batch_size: dict[int, int] = {}
 
-    def choose(self, num_decode_requests: int) -> int:
-        if num_decode_requests == 0:
+    def k_for_batch(self, batch_size: int) -> int:
+        if batch_size == 0:
             return 0
-        wanted = min(table_lookup(self.table, num_decode_requests), self.max_k)
+        wanted = min(table_lookup(self.table, batch_size), self.max_k)
         k = self.hysteresis.update(wanted)
-        _log_change(self.k_by_batch_size, num_decode_requests, k, "table")
+        _log_change(self.k_by_batch_size, batch_size, k, "table")
         return k
 
     def snapshot(self) -> dict:
@@ -145,10 +115,11 @@ class AcceptanceEstimate:
         self.drafted = [0.0] * max_k
         self.accepted = [0.0] * max_k
 
-    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
+    def observe(self, draft_lens: Sequence[int], num_accepted: Sequence[int]) -> None:
+        """One step: each decode's draft length and accepted draft tokens."""
         self.drafted = [d * self.decay for d in self.drafted]
         self.accepted = [a * self.decay for a in self.accepted]
-        for n, acc in zip(num_drafts, num_accepted):
+        for n, acc in zip(draft_lens, num_accepted):
             for i in range(min(n, len(self.drafted))):
                 self.drafted[i] += 1
                 self.accepted[i] += i < acc
@@ -173,30 +144,18 @@ class AcceptanceEstimate:
 class GoodputK:
     """K* = argmax AL(K) / ITL(bs, K), with live acceptance, live step costs, and who drafts.
 
-    ITL(bs, K) is the profile's grid (smoothed, interpolated), scaled by the drift the live cost
-    model (``dynaspec.spec.cost``: the profile's cost model times live per-pass scales) has seen
-    between the profile and live steps. ``choose_drafts`` picks K
-    and the requests that draft together: a draft model must first catch up on every token it
-    has not seen (a new request's whole prompt), a one-time cost that the request's future tokens
-    repay. Request i costs c_i = catchup_ms_per_token * DraftCandidate.catchup_per_token() per
-    generated token (its own unseen tokens over the tokens it may still generate, or, if larger,
-    the steady-state price of a drafting slot: one prompt per output budget). With requests sorted by c_i
-    (caught-up ones first), for every K and every n the step's goodput is
+    ITL(bs, K) is the profile's grid (smoothed, interpolated) times the drift the live cost model
+    (``kpolicy.cost``) has seen since the profile. A draft model must first catch up on the tokens
+    it has not seen (a new request's whole prompt), so request i costs
+    c_i = catch-up ms per token x ``DraftCandidate.catchup_per_token()`` per generated token. With
+    requests sorted by c_i, for every K and every n the step's goodput is
 
         (bs + n (AL(K) - 1)) / (ITL(bs, 0) + ITL(n, K) - ITL(n, 0) + AL(K) * sum_{i<n} c_i)
 
-    (n drafting rows add their verification and drafter passes to a plain step of the whole
-    batch); the best (K, n) wins, with hysteresis on K. With everyone caught up this is the plain
-    argmax AL/ITL over n = bs.
-
-    bs counts the load, not the decode batch of the moment: every running request, those still
-    prefilling included, and waiting ones up to ``max_num_seqs`` (``decoding=False``). Every
-    request starts with a prefill, and a burst of arrivals is admitted a token budget at a time,
-    so the decode batch dips below the load whenever requests arrive, and more often the faster
-    requests finish; choosing by the dip made the policy speculate at concurrency 8 (decode
-    batch mostly 2-7, where K=4-5 pays) while plain decoding was 14-17% faster for the load as a
-    whole. Requests that cannot draft yet take part in the choice of K and n like caught-up ones
-    would, but only decoding ones draft this step.
+    (n drafting rows add their verification and drafter passes to a plain step of the whole load);
+    the best (K, n) wins, with hysteresis on K. bs is the load (every running request, prefilling
+    ones included, and waiting ones up to max_num_seqs): the decode batch dips whenever arrivals
+    are prefilled, so it would mislead. Only decoding candidates draft.
     """
 
     def __init__(
@@ -229,11 +188,11 @@ class GoodputK:
             return model if model > 0 else None
         return base * self.costs.drift(batch_size, k)
 
-    def choose(self, num_decode_requests: int) -> int:
+    def k_for_batch(self, batch_size: int) -> int:
         """K for a batch whose drafter is caught up everywhere."""
-        return self.choose_drafts([DraftCandidate(1, 1)] * num_decode_requests)[0]
+        return self.choose([DraftCandidate(1, 1)] * batch_size)[0]
 
-    def choose_drafts(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
+    def choose(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
         bs = len(candidates)
         if bs == 0:
             return 0, []
@@ -273,11 +232,10 @@ class GoodputK:
                 scores[(k, n)] = (bs + n * (al - 1)) / step
         return scores
 
-    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
-        self.acceptance.observe(num_drafts, num_accepted)
-
-    def observe_timing(self, timing: StepTiming) -> None:
-        self.costs.observe(timing)
+    def observe(self, record: StepRecord) -> None:
+        if record.result.draft_lens:
+            self.acceptance.observe(record.result.draft_lens, record.result.num_accepted)
+        self.costs.observe(record.timing)
 
     def snapshot(self) -> dict:
         return {

@@ -10,7 +10,7 @@
 ```
 ``batch_stats`` holds ITL(bs, K), the median engine step time in milliseconds. ``cost_model``
 (optional) holds the pass-time coefficients fitted on every step the profiler timed (see
-``dynaspec.spec.cost``): target ms = a + b*verify_tokens + c*prefill_tokens, drafter pass ms =
+``dynaspec.kpolicy.cost``): target ms = a + b*verify_tokens + c*prefill_tokens, drafter pass ms =
 d + e*rows + f*catch-up tokens.
 """
 
@@ -18,29 +18,45 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
+
+from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic.dataclasses import dataclass
+
+COST_MODEL_KEYS = ("target_ms", "draft_pass_ms")
 
 
-@dataclass(slots=True)
+@dataclass(config=ConfigDict(extra="ignore"))
 class Profile:
-    max_num_speculative_tokens: int
-    acceptance_rate_per_pos: list[float]  # [max K] unconditional α_i
-    batch_stats: dict[int, dict[int, float]]  # bs -> K -> ITL ms
+    max_num_speculative_tokens: Annotated[int, Field(ge=0, strict=True)]
+    acceptance_rate_per_pos: list[Annotated[float, Field(ge=0, le=1)]]  # [max K] unconditional α_i
+    batch_stats: dict[Annotated[int, Field(ge=1)], dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=0)]]]
     num_speculative_tokens_per_batch_size: list[list[int]] = field(default_factory=list)
     cost_model: dict[str, list[float]] | None = None  # {"target_ms": [a, b, c], "draft_pass_ms": [d, e, f]}
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @field_validator("cost_model")
+    @classmethod
+    def _cost_model(cls, value: dict[str, list[float]] | None) -> dict[str, list[float]] | None:
+        if value is None:
+            return None
+        ok = set(value) == set(COST_MODEL_KEYS) and all(
+            len(v) == 3 and all(math.isfinite(c) for c in v) for v in value.values()
+        )
+        if not ok:
+            raise ValueError('must be {"target_ms": [3 numbers], "draft_pass_ms": [3 numbers]}')
+        return value
+
     def to_json(self) -> dict[str, Any]:
-        return {
-            "max_num_speculative_tokens": self.max_num_speculative_tokens,
-            "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
-            "batch_stats": {str(bs): {str(k): t for k, t in sorted(row.items())} for bs, row in sorted(self.batch_stats.items())},
-            "num_speculative_tokens_per_batch_size": self.num_speculative_tokens_per_batch_size,
-            **({"cost_model": self.cost_model} if self.cost_model is not None else {}),
-            "meta": self.meta,
+        d = asdict(self)
+        d["batch_stats"] = {
+            str(bs): {str(k): t for k, t in sorted(row.items())} for bs, row in sorted(self.batch_stats.items())
         }
+        if d["cost_model"] is None:
+            del d["cost_model"]
+        return d
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
@@ -50,10 +66,6 @@ def save_profile(profile: Profile, path: str | Path) -> None:
 def load_profile(path: str | Path) -> Profile:
     """Read and validate; a malformed file raises ValueError naming the file and the field."""
     path = Path(path)
-
-    def bad(field_name: str, message: str) -> ValueError:
-        return ValueError(f"profile {path}: {field_name}: {message}")
-
     if not path.is_file():
         raise ValueError(f"profile {path}: file not found")
     try:
@@ -61,43 +73,16 @@ def load_profile(path: str | Path) -> Profile:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"profile {path}: invalid JSON: {e}") from None
     if not isinstance(d, dict):
-        raise bad("(top level)", "must be a JSON object")
-    max_k = d.get("max_num_speculative_tokens")
-    if not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < 0:
-        raise bad("max_num_speculative_tokens", f"must be an integer >= 0, got {max_k!r}")
-    alpha = d.get("acceptance_rate_per_pos", [])
-    if not isinstance(alpha, list) or not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in alpha):
-        raise bad("acceptance_rate_per_pos", "must be a list of numbers in [0, 1]")
-    raw_stats = d.get("batch_stats", {})
-    if not isinstance(raw_stats, dict):
-        raise bad("batch_stats", "must be an object {batch_size: {K: itl_ms}}")
-    batch_stats: dict[int, dict[int, float]] = {}
-    for bs, row in raw_stats.items():
-        try:
-            bs_int = int(bs)
-            if bs_int < 1 or not isinstance(row, dict):
-                raise ValueError
-            batch_stats[bs_int] = {int(k): float(t) for k, t in row.items()}
-        except (TypeError, ValueError):
-            raise bad("batch_stats", f"entry {bs!r} must map a batch size >= 1 to {{K: itl_ms}}") from None
-        if any(k < 0 or t < 0 for k, t in batch_stats[bs_int].items()):
-            raise bad("batch_stats", f"entry {bs!r} has a negative K or time")
-    table = d.get("num_speculative_tokens_per_batch_size", [])
-    if not isinstance(table, list):
-        raise bad("num_speculative_tokens_per_batch_size", "must be a list of [lo, hi, K]")
-    cost_model = d.get("cost_model")
-    if cost_model is not None:
-        ok = isinstance(cost_model, dict) and all(
-            isinstance(cost_model.get(key), list)
-            and len(cost_model[key]) == 3
-            and all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in cost_model[key])
-            for key in ("target_ms", "draft_pass_ms")
-        )
-        if not ok:
-            raise bad("cost_model", 'must be {"target_ms": [3 numbers], "draft_pass_ms": [3 numbers]}')
-        cost_model = {key: [float(c) for c in cost_model[key]] for key in ("target_ms", "draft_pass_ms")}
-    meta = d.get("meta", {})
-    return Profile(max_k, [float(a) for a in alpha], batch_stats, table, cost_model, meta if isinstance(meta, dict) else {})
+        raise ValueError(f"profile {path}: (top level): must be a JSON object")
+    try:
+        return Profile(**{"acceptance_rate_per_pos": [], "batch_stats": {}, **d})
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+        message = first["msg"].removeprefix("Value error, ")
+        raise ValueError(f"profile {path}: {where}: {message}") from None
+    except TypeError as e:  # a required field missing
+        raise ValueError(f"profile {path}: {e}") from None
 
 
 def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k: int) -> float | None:

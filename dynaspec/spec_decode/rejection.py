@@ -12,6 +12,23 @@ from __future__ import annotations
 import torch
 
 from dynaspec.engine.sampler import SamplingTensors, processed_probs, sample_from
+from dynaspec.engine.types import Drafts, StepResult
+
+
+def verify(
+    target_logits: torch.Tensor,  # [len(plan.sampled), k + 1, vocab] float32, decodes first
+    drafts: Drafts,  # for the decodes: the first len(drafts.draft_lens) rows
+    sampling: SamplingTensors,  # [len(plan.sampled)]
+) -> StepResult:
+    """Rejection-sample a step: decodes verify their drafts, completing prefills sample a first token."""
+    num_rows, num_decodes = target_logits.shape[0], len(drafts.draft_lens)
+    extra = num_rows - num_decodes  # prefill rows: no drafts
+    tokens = torch.cat([drafts.token_ids, drafts.token_ids.new_zeros(extra, drafts.k)])
+    probs = drafts.probs
+    if probs is not None and extra:
+        probs = torch.cat([probs, probs.new_zeros(extra, *probs.shape[1:])])
+    emitted = rejection_sample(target_logits, tokens, drafts.draft_lens + [0] * extra, probs, sampling)
+    return StepResult(token_ids=emitted, draft_lens=list(drafts.draft_lens))
 
 
 def rejection_sample(

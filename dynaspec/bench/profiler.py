@@ -14,11 +14,13 @@ model.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import platform
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -26,9 +28,10 @@ from tqdm import tqdm
 from dynaspec.bench.common import environment
 from dynaspec.engine.engine import Engine
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec.cost import StepTiming, fit_timings
-from dynaspec.spec.policy import FixedK
-from dynaspec.spec.profile import Profile, derive_table
+from dynaspec.engine.types import DraftPass, StepTiming
+from dynaspec.kpolicy.cost import fit_timings
+from dynaspec.kpolicy.policy import FixedK
+from dynaspec.kpolicy.profile import Profile, derive_table
 
 
 @dataclass(slots=True)
@@ -49,22 +52,18 @@ def measure_acceptance(
     engine: Engine, prompts: list, settings: ProfileSettings, progress: bool = True, timings: list | None = None
 ) -> list[float]:
     """α_i for i = 1..max_k, from generating on ``prompts`` with K fixed at max_k."""
-    engine.scheduler.k_chooser = FixedK(settings.max_k)
-    before = engine.counters.spec.accepted_per_pos[:], engine.counters.spec.drafted_per_pos[:]
     params = SamplingParams(max_tokens=settings.acceptance_max_tokens, temperature=settings.temperature, seed=0)
     chosen = prompts[: settings.num_acceptance_prompts]
-    for p in chosen:
-        engine.add_request(p, params)
-    with tqdm(total=len(chosen), desc="acceptance", unit="req", disable=not progress) as bar:
-        while engine.has_unfinished():
-            bar.update(sum(o.finished for o in _step(engine, timings)))
-    stats = engine.counters.spec
-    rates = []
-    for i in range(settings.max_k):
-        accepted = _at(stats.accepted_per_pos, i) - _at(before[0], i)
-        drafted = _at(stats.drafted_per_pos, i) - _at(before[1], i)
-        rates.append(accepted / drafted if drafted else 0.0)
-    return rates
+    with _fixed_k(engine, settings.max_k), engine.recording() as run:
+        for p in chosen:
+            engine.add_request(p, params)
+        with tqdm(total=len(chosen), desc="acceptance", unit="req", disable=not progress) as bar:
+            while engine.has_unfinished():
+                bar.update(sum(o.finished for o in engine.step()))
+    if timings is not None:
+        timings.extend(run.timings)
+    rates = run.spec.acceptance_rate_per_pos
+    return [rates[i] if i < len(rates) else 0.0 for i in range(settings.max_k)]
 
 
 def measure_itl(
@@ -75,40 +74,39 @@ def measure_itl(
     ks = list(range(settings.max_k + 1))
     visits = len(settings.batch_sizes) * len(ks) * settings.rounds
     steps_per_visit = settings.warmup_steps + settings.measured_steps
-    with tqdm(total=visits, desc="ITL(bs, K)", unit="visit", disable=not progress) as bar:
+    with tqdm(total=visits, desc="ITL(bs, K)", unit="visit", disable=not progress) as bar, engine.recording() as run:
         for bs in settings.batch_sizes:
             # enough tokens for every visit to run its steps without any request finishing
             budget = settings.rounds * len(ks) * steps_per_visit * (settings.max_k + 1) + 8
             params = SamplingParams(max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0)
             requests = [engine.add_request(prompts[i % len(prompts)], params) for i in range(bs)]
-            engine.scheduler.k_chooser = FixedK(0)
-            while not all(r.is_decoding for r in requests):  # prefill everyone first
-                _step(engine, timings)
+            with _fixed_k(engine, 0):
+                while not all(r.is_decoding for r in requests):  # prefill everyone first
+                    engine.step()
             times: dict[int, list[float]] = {k: [] for k in ks}
             for rnd in range(settings.rounds):
                 for k in ks if rnd % 2 == 0 else ks[::-1]:
-                    engine.scheduler.k_chooser = FixedK(k)
-                    for step in range(steps_per_visit):
-                        start = time.perf_counter()
-                        _step(engine, timings)
-                        if step >= settings.warmup_steps:
-                            times[k].append((time.perf_counter() - start) * 1000)
+                    with _fixed_k(engine, k):
+                        for step in range(steps_per_visit):
+                            start = time.perf_counter()
+                            engine.step()
+                            if step >= settings.warmup_steps:
+                                times[k].append((time.perf_counter() - start) * 1000)
                     bar.update(1)
             batch_stats[bs] = {k: round(statistics.median(t), 3) for k, t in times.items() if t}
             for r in requests:
                 engine.abort(r.request_id)
+    if timings is not None:
+        timings.extend(run.timings)
     return batch_stats
 
 
 def measure_catchup(engine: Engine, prompts: list, settings: ProfileSettings, timings: list) -> None:
     """Time drafter passes over whole prompts (what a new request costs the drafter) into ``timings``.
 
-    In the other phases a catch-up pass is rare (once per request) and often the first of its
-    size (slower), so it alone would pin the cost model's per-token catch-up slope poorly.
+    In ordinary steps a catch-up pass is rare (once per request) and often the first of its size
+    (slower), so those alone would pin the cost model's per-token catch-up slope poorly.
     """
-    time_catchup = getattr(engine.proposer, "time_catchup", None)
-    if time_catchup is None:  # a proposer with nothing to catch up (ngram)
-        return
     ids = [engine.prompt_token_ids(p) for p in prompts]
     for rows in settings.catchup_rows:
         chosen = [ids[i % len(ids)] for i in range(rows)]
@@ -116,24 +114,22 @@ def measure_catchup(engine: Engine, prompts: list, settings: ProfileSettings, ti
         try:
             if not all(engine.allocator.grow(t, len(c)) for t, c in zip(tables, chosen)):
                 break  # the KV budget holds no more prompts at once
-            time_catchup(chosen, tables)  # warm-up: first passes of a shape are slower
+            if engine.proposer.catch_up(chosen, tables) is None:  # warm-up: first passes of a shape are slower
+                return  # a proposer with nothing to catch up on (ngram)
             for _ in range(settings.catchup_repeats):
-                ms = time_catchup(chosen, tables)
-                timings.append(StepTiming(0, 0, 0.0, [(rows, sum(len(c) for c in chosen) - rows, ms)]))
+                ms = engine.proposer.catch_up(chosen, tables)
+                extra = sum(len(c) for c in chosen) - rows
+                timings.append(StepTiming(0, 0, 0.0, [DraftPass(rows, extra, ms)]))
         finally:
             for t in tables:
                 engine.allocator.free(t)
 
 
 def run_profile(engine: Engine, prompts: list, settings: ProfileSettings, meta: dict, progress: bool = True) -> Profile:
-    policy = engine.scheduler.k_chooser
     timings: list[StepTiming] = []
-    try:
-        alpha = measure_acceptance(engine, prompts, settings, progress, timings)
-        batch_stats = measure_itl(engine, prompts, settings, progress, timings)
-        measure_catchup(engine, prompts, settings, timings)
-    finally:
-        engine.scheduler.k_chooser = policy
+    alpha = measure_acceptance(engine, prompts, settings, progress, timings)
+    batch_stats = measure_itl(engine, prompts, settings, progress, timings)
+    measure_catchup(engine, prompts, settings, timings)
     return Profile(
         max_num_speculative_tokens=settings.max_k,
         acceptance_rate_per_pos=[round(a, 4) for a in alpha],
@@ -161,12 +157,11 @@ def run_profile(engine: Engine, prompts: list, settings: ProfileSettings, meta: 
     )
 
 
-def _step(engine: Engine, timings: list | None) -> list:
-    outputs = engine.step()
-    if timings is not None and engine.last_timing is not None:
-        timings.append(engine.last_timing)
-    return outputs
-
-
-def _at(values: list[int], i: int) -> int:
-    return values[i] if i < len(values) else 0
+@contextlib.contextmanager
+def _fixed_k(engine: Engine, k: int) -> Iterator[None]:
+    """Run the block with K fixed, then give the engine its own policy back."""
+    previous = engine.set_k_policy(FixedK(k))
+    try:
+        yield
+    finally:
+        engine.set_k_policy(previous)

@@ -4,25 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dynaspec.engine.types import StepRecord
+
 
 @dataclass(slots=True)
 class SpecStats:
-    num_drafts: int = 0  # decode request-steps that verified at least one draft token
+    num_drafts: int = 0  # drafts verified: request-steps with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [max K seen] accepted at position i+1
     drafted_per_pos: list[int] = field(default_factory=list)  # [max K seen] drafted at position i+1
     steps_by_batch_size: dict[int, dict[int, int]] = field(default_factory=dict)  # bs -> K -> steps
 
-    def observe(self, num_decodes: int, k: int, num_drafts: list[int], num_emitted: list[int]) -> None:
-        """One step: K chosen for ``num_decodes`` decodes; per decode, drafts verified and tokens emitted."""
-        if num_decodes:
-            per_k = self.steps_by_batch_size.setdefault(num_decodes, {})
-            per_k[k] = per_k.get(k, 0) + 1
-        for n, emitted in zip(num_drafts, num_emitted):
+    def observe(self, record: StepRecord) -> None:
+        """One step: the K chosen at its decode batch size; each decode's draft tokens and accepted ones."""
+        plan, result = record.plan, record.result
+        if plan.num_decodes:
+            per_k = self.steps_by_batch_size.setdefault(plan.num_decodes, {})
+            per_k[plan.chosen_k] = per_k.get(plan.chosen_k, 0) + 1
+        for n, accepted in zip(result.draft_lens, result.num_accepted):
             if n == 0:
                 continue
-            accepted = emitted - 1
             self.num_drafts += 1
             self.num_draft_tokens += n
             self.num_accepted_tokens += accepted

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATA_DIR = Path(__file__).resolve().parent / "data"
 BUILTIN = {"mtbench": DATA_DIR / "mt_bench.jsonl", "humaneval": DATA_DIR / "humaneval.jsonl"}
 
 Prompt = str | list[dict]  # plain text, or chat messages

@@ -11,13 +11,10 @@ first catch up on every new request's prompt before it can draft for it. The pro
 Live traffic only rescales it: one factor for target passes, one for drafter passes, each the
 decayed geometric mean of observed / predicted time per pass, starting from 1 as
 ``prior_weight`` pseudo-observations that fade like old steps, each ratio clipped to
-[1/MAX_DRIFT, MAX_DRIFT].
-Live steps sit near one operating point (the same batch size and K step after step), where a
-regression cannot tell an intercept from a slope: an earlier online regression here put the
-noise of every slow step on the verify-token slope, so a few hiccups made speculation look up
-to 2.3x dearer relative to plain steps and flipped K to 0 at batch 2. Two scales cannot do
-that, yet still follow a slower machine, or a drafter slowed by contention. Until the drafter
-has run, it is assumed to drift like the target (both share the machine).
+[1/MAX_DRIFT, MAX_DRIFT]. Scales rather than a live regression: live steps sit near one operating
+point, where a regression cannot tell an intercept from a slope and puts step noise on the
+slopes (results/RESULTS.md, "live step costs"). Until the drafter has run, it is assumed to drift
+like the target (both share the machine).
 
 The goodput policy uses this two ways: the profile's ITL(bs, K) is multiplied by
 ``drift(bs, K)``, and ``f`` times the drafter's scale prices a request's catch-up.
@@ -26,24 +23,15 @@ The goodput policy uses this two ways: the profile's ITL(bs, K) is multiplied by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
+from dynaspec.engine.types import StepTiming
+
 TARGET_FEATURES = ("step", "verify_tokens", "prefill_tokens")
 DRAFT_FEATURES = ("pass", "rows", "extra_tokens")
 MAX_DRIFT = 3.0
-
-
-@dataclass(slots=True)
-class StepTiming:
-    """Wall times of one engine step's passes (milliseconds)."""
-
-    verify_tokens: int  # decode tokens verified by the target: sum over decodes of 1 + drafts
-    prefill_tokens: int
-    target_ms: float
-    draft_passes: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, extra tokens, ms)
 
 
 class LiveScale:

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from dynaspec.engine.sampler import SamplingTensors
-from dynaspec.engine.scheduler import SchedulePlan, StepResult
-from dynaspec.spec.proposer import Drafts, ProposerContext, register_proposer
+from dynaspec.engine.types import Drafts, SchedulePlan
+from dynaspec.spec_decode.proposer import Proposer, ProposerContext, register_proposer
 
 
 def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -28,32 +28,20 @@ def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int
 
 
 @register_proposer("ngram")
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, spec_config, ctx: ProposerContext) -> None:
+        super().__init__(ctx)
         self.n_min = spec_config.prompt_lookup_min
         self.n_max = spec_config.prompt_lookup_max
-        self.device = ctx.device
-
-    def kv_bytes_per_token(self) -> int:
-        return 0
-
-    def allocate_kv(self, num_slots: int) -> None:
-        pass
 
     def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
         if plan.k == 0:
-            return Drafts.none(plan.num_decodes, self.device)
+            return self.no_drafts(plan)
         rows = [
             ngram_lookup(np.asarray(r.all_token_ids), self.n_min, self.n_max, cap) if cap else []
-            for r, cap in zip(plan.decodes, plan.max_drafts)
+            for r, cap in zip(plan.decodes, plan.k_caps)
         ]
         tokens = torch.zeros(plan.num_decodes, plan.k, dtype=torch.long)
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        return Drafts(tokens.to(self.device), [len(r) for r in rows], None)
-
-    def commit(self, plan: SchedulePlan, result: StepResult) -> None:
-        pass
-
-    def release(self, request_ids: list[str]) -> None:
-        pass
+        return Drafts(tokens.to(self.ctx.device), [len(r) for r in rows], None)

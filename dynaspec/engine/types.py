@@ -1,0 +1,148 @@
+"""The types the stages of a step exchange: plan, drafts, result, timing, and what the K policy sees.
+
+Stages import these, never each other: the scheduler makes a ``SchedulePlan``, the proposer
+``Drafts``, the rejection sampler a ``StepResult``; the engine times the passes (``StepTiming``)
+and hands all three to the K policy and the statistics as one ``StepRecord``. Nothing here
+imports torch at run time, so the K-choice package (plain Python) can use these types too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from dynaspec.engine.request import Request
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    request: Request
+    num_tokens: int  # prompt tokens computed this step
+    completes: bool = False  # reaches the last prompt token, so the step samples the first output token
+
+    def __post_init__(self) -> None:
+        self.completes = self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulePlan:
+    """Who runs this step, how many tokens each, and K."""
+
+    decodes: list[Request]  # each verifies its last token plus up to k_caps[i] draft tokens
+    k_caps: list[int]  # [num_decodes] the K cap of each decode: the policy's K for it, cut to its tokens left
+    prefills: list[PrefillChunk]
+    chosen_k: int = 0  # the policy's K for the load (statistics)
+    released: list[str] = field(default_factory=list)  # request ids preempted or finished since the last plan
+
+    @property
+    def k(self) -> int:
+        """The most draft tokens any decode may get this step (0: the proposer does not run)."""
+        return max(self.k_caps, default=0)
+
+    @property
+    def sampled(self) -> list[Request]:
+        """Requests that get new tokens this step: decodes, then prefills that complete."""
+        return self.decodes + [c.request for c in self.prefills if c.completes]
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decodes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class DraftPass(NamedTuple):
+    """One forward pass of a draft model, as the cost model prices it."""
+
+    rows: int  # requests in the pass
+    extra_tokens: int  # tokens beyond one per row: the drafter catching up on tokens it has not seen
+    ms: float
+
+
+@dataclass(slots=True)
+class Drafts:
+    """The draft tokens for a step's decodes (row i belongs to ``plan.decodes[i]``)."""
+
+    token_ids: torch.Tensor  # [num_decodes, k] int64; entries past draft_lens[i] are padding
+    draft_lens: list[int]  # [num_decodes] draft tokens of each decode (0..k_caps[i])
+    probs: torch.Tensor | None  # [num_decodes, k, vocab] draft distributions; None for deterministic drafts
+    passes: list[DraftPass] = field(default_factory=list)  # the drafter's passes, timed
+
+    @property
+    def k(self) -> int:
+        return self.token_ids.shape[1]
+
+
+@dataclass(slots=True)
+class StepResult:
+    token_ids: list[list[int]]  # per plan.sampled request: its accepted draft tokens, then one sampled token
+    draft_lens: list[int]  # [num_decodes] draft tokens each decode verified
+
+    @property
+    def num_accepted(self) -> list[int]:
+        """[num_decodes] accepted draft tokens of each decode."""
+        return [len(t) - 1 for t in self.token_ids[: len(self.draft_lens)]]
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """Wall times of one step's passes (milliseconds)."""
+
+    verify_tokens: int  # decode tokens the target verified: sum over decodes of 1 + draft length
+    prefill_tokens: int
+    target_ms: float
+    draft_passes: list[DraftPass] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, plan: SchedulePlan, result: StepResult, target_ms: float, draft_passes: list[DraftPass]) -> StepTiming:
+        return cls(
+            verify_tokens=plan.num_decodes + sum(result.draft_lens),
+            prefill_tokens=sum(c.num_tokens for c in plan.prefills),
+            target_ms=target_ms,
+            draft_passes=list(draft_passes),
+        )
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """Everything a step tells the K policy and the statistics: fed once per step by the engine."""
+
+    plan: SchedulePlan
+    result: StepResult
+    timing: StepTiming
+
+
+@dataclass(frozen=True, slots=True)
+class DraftCandidate:
+    """A request of the load as the K policy sees it when deciding who drafts."""
+
+    unseen_tokens: int  # tokens the proposer must process before drafting (1 when caught up)
+    tokens_left: int  # tokens the request may still generate
+    prompt_tokens: int = 0  # its prompt: about what the request taking over its slot will cost to catch up on
+    max_tokens: int = 1  # its whole output budget, over which that catch-up is repaid
+    decoding: bool = True  # False while its prompt is being prefilled (or it waits): it counts, cannot draft yet
+
+    def catchup_per_token(self) -> float:
+        """Catch-up tokens drafting in this slot costs per generated token: the larger of what the
+        request still owes (its unseen tokens over its tokens left) and the steady-state price of a
+        drafting slot under continuous load, where a finished request is replaced by a new one whose
+        prompt the drafter must catch up on (one prompt per output budget)."""
+        owed = (self.unseen_tokens - 1) / max(1, self.tokens_left) if self.unseen_tokens > 1 else 0.0
+        return max(owed, self.prompt_tokens / max(1, self.max_tokens))
+
+
+class KPolicy(Protocol):
+    """Chooses K for each step; the engine owns it and feeds it one record per step."""
+
+    def choose(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
+        """(K chosen for the load, draft tokens wanted per candidate: K or 0)."""
+        ...
+
+    def observe(self, record: StepRecord) -> None: ...
+
+    def snapshot(self) -> dict: ...

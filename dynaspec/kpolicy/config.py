@@ -1,0 +1,149 @@
+"""`--speculative-config`: the reference engine's JSON schema, validated once before anything loads.
+
+A pydantic dataclass: types are checked strictly (``"5"`` is not an integer), unknown fields are
+refused, and every error names its field as ``speculative_config.<field>: ...``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.dataclasses import dataclass
+
+METHODS = ("draft_model", "ngram")
+QUANTIZATIONS = ("int8",)
+TABLE = "num_speculative_tokens_per_batch_size"
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=True))
+class SpeculativeConfig:
+    method: Literal["draft_model", "ngram"]
+    model: str | None = None  # draft_model: a pack name, HF directory or .gguf file
+    num_speculative_tokens: int | None = Field(default=None, ge=1, le=32)  # the maximum K
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None  # [lo, hi, K] ranges
+    prompt_lookup_min: int = Field(default=2, ge=1)
+    prompt_lookup_max: int = Field(default=4, ge=1)
+    dynamic_config_path: str | None = None  # a profile: K chosen by goodput
+    hysteresis_steps: int = Field(default=3, ge=1)
+    draft_quantization: Literal["int8"] | None = None  # weight-only int8 drafter (drafts only: lossless)
+    draft_vocab_size: int | None = Field(default=None, ge=1)  # keep only the first N rows of the drafter's head
+
+    @field_validator(TABLE)
+    @classmethod
+    def _table(cls, table: tuple[tuple[int, int, int], ...] | None) -> tuple[tuple[int, int, int], ...] | None:
+        if table is not None:
+            _check_table(table)
+        return table
+
+    @model_validator(mode="after")
+    def _rules(self) -> SpeculativeConfig:
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("model: required for method draft_model: a pack name, HF directory or .gguf file")
+        if self.method != "draft_model":
+            for name in ("model", "draft_quantization", "draft_vocab_size"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only applies to method draft_model")
+        if self.num_speculative_tokens is None and self.dynamic_config_path is None:
+            raise ValueError("num_speculative_tokens: required (an integer >= 1)")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min: must not exceed prompt_lookup_max")
+        if self.num_speculative_tokens_per_batch_size is not None and self.dynamic_config_path is not None:
+            raise ValueError(f"{TABLE}: give either this table or dynamic_config_path")
+        return self
+
+    @classmethod
+    def parse(cls, arg: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From a dict, a JSON string, or ``@path/to/file.json``; None stays None."""
+        if arg is None or isinstance(arg, SpeculativeConfig):
+            return arg
+        if isinstance(arg, str):
+            text = arg
+            if arg.startswith("@"):
+                path = Path(arg[1:])
+                if not path.is_file():
+                    raise ValueError(f"speculative_config: file not found: {path}")
+                text = path.read_text()
+            try:
+                arg = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: invalid JSON: {e}") from None
+        if not isinstance(arg, dict):
+            raise ValueError("speculative_config: must be a JSON object")
+        return cls.from_dict(arg)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        known = {f.name for f in fields(cls)}
+        for key in d:  # named before pydantic's own message, with the known fields listed
+            if key not in known:
+                raise _err(key, f"unknown field (known: {', '.join(sorted(known))})")
+        if "method" not in d:
+            raise _err("method", f"required: one of {', '.join(METHODS)}")
+        table = d.get(TABLE)
+        if table is not None:
+            if not isinstance(table, list) or not all(isinstance(r, (list, tuple)) for r in table):
+                raise _err(TABLE, "must be a list of [lo, hi, K] ranges")
+            bad = next((r for r in table if len(r) != 3 or not all(_is_int(x) for x in r)), None)
+            if bad is not None:
+                raise _err(TABLE, f"range {table.index(bad)} must be [lo, hi, K] integers, got {list(bad)!r}")
+            d = {**d, TABLE: tuple(tuple(r) for r in table)}
+        try:
+            return cls(**d)
+        except ValidationError as e:
+            raise _from_validation_error(e) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if d[TABLE] is not None:
+            d[TABLE] = [list(r) for r in d[TABLE]]
+        return {k: v for k, v in d.items() if v is not None}
+
+
+def _err(field: str, message: str) -> ValueError:
+    return ValueError(f"speculative_config.{field}: {message}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _from_validation_error(e: ValidationError) -> ValueError:
+    """The first error, as ``speculative_config.<field>: <message>``."""
+    first = e.errors()[0]
+    message = first["msg"].removeprefix("Value error, ")
+    loc = [str(x) for x in first["loc"] if not isinstance(x, int)]
+    if loc and first["type"] != "value_error":  # pydantic's own message: say what was given
+        message = f"{message}, got {first.get('input')!r}"
+    if loc:
+        return _err(loc[0], message)
+    return ValueError(f"speculative_config.{message}")  # a rule across fields names its field first
+
+
+def _check_table(table: tuple) -> None:
+    if not table:
+        raise ValueError("must not be empty")
+    prev_hi = 0
+    for i, (lo, hi, k) in enumerate(table):
+        if i == 0 and lo != 1:
+            raise ValueError(f"the first range must start at batch size 1, got {lo}")
+        if lo > hi:
+            raise ValueError(f"range {i} has lo {lo} > hi {hi}")
+        if lo <= prev_hi:
+            raise ValueError(f"range {i} [{lo}, {hi}] overlaps or is out of order")
+        if k < 0:
+            raise ValueError(f"range {i} has K {k} < 0")
+        prev_hi = hi
+
+
+def table_lookup(table: tuple[tuple[int, int, int], ...], batch_size: int) -> int:
+    """K for a batch size: its range's K; in a gap, the range before; above the last, the last K."""
+    k = table[0][2]
+    for lo, _, range_k in table:
+        if batch_size < lo:
+            break
+        k = range_k
+    return k

@@ -1,0 +1,89 @@
+"""The proposer interface and its registry.
+
+A proposer drafts tokens for a step's decodes. ``Proposer`` is the whole protocol, with the
+behaviour of a proposer that keeps no state as its defaults, so every capability is a method the
+engine can call on any proposer (a no-op where it does not apply). Only the config names a method
+(``speculative_config.method``); the registry maps it to a class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from dynaspec.engine.sampler import SamplingTensors
+from dynaspec.engine.types import Drafts, SchedulePlan, StepResult
+
+if TYPE_CHECKING:
+    from dynaspec.engine.request import Request
+    from dynaspec.kpolicy.config import SpeculativeConfig
+
+
+@dataclass(slots=True)
+class ProposerContext:
+    """What a proposer may know of the engine: no scheduler, no target model."""
+
+    target_tokenizer: object
+    dtype: torch.dtype
+    device: torch.device
+    block_size: int
+
+
+class Proposer:
+    """No speculation; the base of every proposer, whose defaults suit one that keeps no state."""
+
+    def __init__(self, ctx: ProposerContext) -> None:
+        self.ctx = ctx
+
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes this proposer needs per token (0 if it keeps none)."""
+        return 0
+
+    def allocate_kv(self, num_slots: int) -> None:
+        """Create KV storage addressed by the same slots as the target's."""
+
+    def unseen_tokens(self, request: Request) -> int:
+        """Tokens it must process before it can draft for ``request`` (1 when caught up)."""
+        return 0
+
+    def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
+        """Up to ``plan.k_caps[i]`` draft tokens for each decode; nothing runs when ``plan.k == 0``."""
+        return self.no_drafts(plan)
+
+    def commit(self, plan: SchedulePlan, result: StepResult) -> None:
+        """Learn what was accepted (e.g. how much of the drafter's own KV stays valid)."""
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget requests that finished or were preempted."""
+
+    def catch_up(self, prompts: list[list[int]], block_tables: list[list[int]]) -> float | None:
+        """Milliseconds of one pass over whole prompts from nothing (what a new request costs the
+        drafter), on blocks the caller lends; None when the proposer has nothing to catch up on."""
+        return None
+
+    def no_drafts(self, plan: SchedulePlan) -> Drafts:
+        empty = torch.zeros(plan.num_decodes, 0, dtype=torch.long, device=self.ctx.device)
+        return Drafts(empty, [0] * plan.num_decodes, None)
+
+
+ProposerFactory = Callable[["SpeculativeConfig", ProposerContext], Proposer]
+PROPOSERS: dict[str, ProposerFactory] = {}
+
+
+def register_proposer(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
+    def wrap(factory: ProposerFactory) -> ProposerFactory:
+        PROPOSERS[name] = factory
+        return factory
+
+    return wrap
+
+
+def make_proposer(spec_config: SpeculativeConfig | None, ctx: ProposerContext) -> Proposer:
+    if spec_config is None:
+        return Proposer(ctx)
+    import dynaspec.spec_decode.draft_model  # noqa: F401  registers draft_model
+    import dynaspec.spec_decode.ngram  # noqa: F401  registers ngram
+
+    return PROPOSERS[spec_config.method](spec_config, ctx)
