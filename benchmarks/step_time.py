@@ -1,6 +1,6 @@
 """Engine step time for plain decoding at batch 1 and 8 (the probe quoted in results/RESULTS.md).
 
-    .venv/bin/python benchmarks/step_time.py
+.venv/bin/python benchmarks/step_time.py
 """
 
 import time

@@ -1,7 +1,6 @@
 import functools
 
 import pytest
-
 from tiny import cached_tiny_model_dir
 
 

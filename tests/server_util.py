@@ -29,7 +29,9 @@ def running_server(model_dir, name: str = "tiny", **engine_kwargs):
     loop = EngineLoop(engine)
     loop.start()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(loop, name), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(loop, name), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

@@ -7,8 +7,24 @@ from dynaspec.cli import main
 
 def test_bench_decode_tiny(tmp_path, target_dir):
     out = tmp_path / "decode.json"
-    rc = main(["bench", "decode", "--model", str(target_dir), "--dataset", "mtbench", "--batch-sizes", "1,2",
-               "--max-tokens", "6", "--dtype", "float32", "--result-file", str(out)])
+    rc = main(
+        [
+            "bench",
+            "decode",
+            "--model",
+            str(target_dir),
+            "--dataset",
+            "mtbench",
+            "--batch-sizes",
+            "1,2",
+            "--max-tokens",
+            "6",
+            "--dtype",
+            "float32",
+            "--result-file",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert [r["batch_size"] for r in report["rows"]] == [1, 2]
@@ -20,13 +36,42 @@ def test_bench_decode_tiny(tmp_path, target_dir):
 
 def test_bench_spec_tiny(tmp_path, target_dir):
     out = tmp_path / "spec.json"
-    rc = main(["bench", "spec", "--model", str(target_dir), "--draft", str(target_dir), "--dataset", "humaneval",
-               "--num-prompts", "2", "--max-tokens", "8", "--ks", "1,3", "--ngram-k", "2", "--draft-vocab-size", "0",
-               "--dtype", "float32", "--result-file", str(out)])
+    rc = main(
+        [
+            "bench",
+            "spec",
+            "--model",
+            str(target_dir),
+            "--draft",
+            str(target_dir),
+            "--dataset",
+            "humaneval",
+            "--num-prompts",
+            "2",
+            "--max-tokens",
+            "8",
+            "--ks",
+            "1,3",
+            "--ngram-k",
+            "2",
+            "--draft-vocab-size",
+            "0",
+            "--dtype",
+            "float32",
+            "--result-file",
+            str(out),
+        ]
+    )
     assert rc == 0
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"dynaspec plain", "dynaspec K=1", "dynaspec K=3", "dynaspec ngram K=2",
-                         "transformers plain", "transformers assisted"}
+    assert set(rows) == {
+        "dynaspec plain",
+        "dynaspec K=1",
+        "dynaspec K=3",
+        "dynaspec ngram K=2",
+        "transformers plain",
+        "transformers assisted",
+    }
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
     # lossless: every dynaspec configuration reproduces plain greedy output
     assert all(rows[c]["outputs_identical_to_dynaspec_plain"] == 2 for c in rows if c.startswith("dynaspec"))

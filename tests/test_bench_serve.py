@@ -2,16 +2,33 @@
 
 import json
 
-from dynaspec.cli import main
 from server_util import running_server
+
+from dynaspec.cli import main
 
 
 def test_bench_serve_reports_and_writes_json(target_dir, tmp_path, capsys):
     spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3}
     out = tmp_path / "serve.json"
     with running_server(target_dir, speculative_config=spec) as (base, _):
-        rc = main(["bench", "serve", "--base-url", base, "--dataset", "mtbench", "--num-prompts", "6",
-                   "--max-concurrency", "3", "--max-tokens", "10", "--result-file", str(out)])
+        rc = main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                base,
+                "--dataset",
+                "mtbench",
+                "--num-prompts",
+                "6",
+                "--max-concurrency",
+                "3",
+                "--max-tokens",
+                "10",
+                "--result-file",
+                str(out),
+            ]
+        )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Acceptance length:" in printed

@@ -15,12 +15,40 @@ def test_sweep_tiny(tmp_path, target_dir):
     prompts.write_text("def f(x):\nclass A:\nimport os\nfor i in range(3):\n")
     result, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
     spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 2}
-    rc = main([
-        "bench", "sweep", "--model", str(target_dir), "--dtype", "float32", "--kv-cache-memory-gb", "0.02",
-        "--speculative-config", json.dumps(spec), "--profile", str(profile), "--dataset", str(prompts),
-        "--concurrency", "1,2", "--prompts-per-concurrency", "2", "--min-prompts", "3", "--fixed-ks", "1,2", "--max-tokens", "6",
-        "--rounds", "2", "--result-file", str(result), "--plot", str(plot),
-    ])
+    rc = main(
+        [
+            "bench",
+            "sweep",
+            "--model",
+            str(target_dir),
+            "--dtype",
+            "float32",
+            "--kv-cache-memory-gb",
+            "0.02",
+            "--speculative-config",
+            json.dumps(spec),
+            "--profile",
+            str(profile),
+            "--dataset",
+            str(prompts),
+            "--concurrency",
+            "1,2",
+            "--prompts-per-concurrency",
+            "2",
+            "--min-prompts",
+            "3",
+            "--fixed-ks",
+            "1,2",
+            "--max-tokens",
+            "6",
+            "--rounds",
+            "2",
+            "--result-file",
+            str(result),
+            "--plot",
+            str(plot),
+        ]
+    )
     assert rc == 0
     report = json.loads(result.read_text())
     configs = {r["config"] for r in report["rows"]}
@@ -28,7 +56,9 @@ def test_sweep_tiny(tmp_path, target_dir):
     assert all(r["output_tokens_per_s"] > 0 for r in report["rows"])
     # greedy: every configuration emits exactly what the target alone does
     # C=1 runs --min-prompts (3) prompts, C=2 runs 2 x 2
-    assert all(r["requests_identical_to_none"] == ("3/3" if r["concurrency"] == 1 else "4/4") for r in report["rows"])
+    assert all(
+        r["requests_identical_to_none"] == ("3/3" if r["concurrency"] == 1 else "4/4") for r in report["rows"]
+    )
     # two rounds each (ABBA order), pooled: every configuration ran all its prompts
     assert all(len(r["tokens_per_s_by_round"]) == 2 for r in report["rows"])
     assert set(report["totals"]) == configs
@@ -40,11 +70,24 @@ def test_sweep_tiny(tmp_path, target_dir):
 
 def test_saved_sweep_is_recompared_and_replotted(tmp_path, capsys):
     rows = [
-        {"concurrency": c, "config": name, "output_tokens_per_s": rate, "wall_s": 10.0 / rate, "tpot_mean_ms": 100.0,
-         "tpot_median_ms": 90.0, "acceptance_length": None, "tokens_per_s_by_round": [rate * 0.9, rate * 1.1]}
-        for c, rates in ((1, {"none": 2.0, "K=1": 4.0, "goodput": 3.9}), (2, {"none": 5.0, "K=1": 4.0, "goodput": 5.1}))
+        {
+            "concurrency": c,
+            "config": name,
+            "output_tokens_per_s": rate,
+            "wall_s": 10.0 / rate,
+            "tpot_mean_ms": 100.0,
+            "tpot_median_ms": 90.0,
+            "acceptance_length": None,
+            "tokens_per_s_by_round": [rate * 0.9, rate * 1.1],
+        }
+        for c, rates in (
+            (1, {"none": 2.0, "K=1": 4.0, "goodput": 3.9}),
+            (2, {"none": 5.0, "K=1": 4.0, "goodput": 5.1}),
+        )
         for name, rate in rates.items()
-    ] + [{"concurrency": 4, "config": "none", "output_tokens_per_s": 6.0, "wall_s": 1.0}]  # a cut run: C=4 incomplete
+    ] + [
+        {"concurrency": 4, "config": "none", "output_tokens_per_s": 6.0, "wall_s": 1.0}
+    ]  # a cut run: C=4 incomplete
     saved, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
     saved.write_text(json.dumps({"rows": rows}))
     assert main(["bench", "sweep", "--from-json", str(saved), "--plot", str(plot)]) == 0
@@ -62,14 +105,40 @@ def test_sweep_runs_a_chosen_subset_and_refuses_unknown_configs(tmp_path, target
     prompts = tmp_path / "p.txt"
     prompts.write_text("def f(x):\nclass A:\n")
     spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 1}
-    common = ["bench", "sweep", "--model", str(target_dir), "--dtype", "float32", "--kv-cache-memory-gb", "0.02",
-              "--speculative-config", json.dumps(spec), "--profile", str(profile), "--dataset", str(prompts),
-              "--concurrency", "2", "--min-prompts", "2", "--prompts-per-concurrency", "1", "--fixed-ks", "1",
-              "--max-tokens", "4", "--rounds", "1"]
+    common = [
+        "bench",
+        "sweep",
+        "--model",
+        str(target_dir),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-gb",
+        "0.02",
+        "--speculative-config",
+        json.dumps(spec),
+        "--profile",
+        str(profile),
+        "--dataset",
+        str(prompts),
+        "--concurrency",
+        "2",
+        "--min-prompts",
+        "2",
+        "--prompts-per-concurrency",
+        "1",
+        "--fixed-ks",
+        "1",
+        "--max-tokens",
+        "4",
+        "--rounds",
+        "1",
+    ]
     result = tmp_path / "sweep.json"
     assert main(common + ["--configs", "K=1,goodput", "--result-file", str(result)]) == 0
     rows = json.loads(result.read_text())["rows"]
-    assert {r["config"] for r in rows} == {"K=1", "goodput"} and all(r["output_tokens_per_s"] > 0 for r in rows)
+    assert {r["config"] for r in rows} == {"K=1", "goodput"} and all(
+        r["output_tokens_per_s"] > 0 for r in rows
+    )
     for bad, named in (("none,K=7", "K=7"), ("goodput", "at least two")):
         assert main(common + ["--configs", bad, "--result-file", str(result)]) == 2
         assert "--configs: " + named in capsys.readouterr().err

@@ -8,19 +8,37 @@ import pytest
 
 
 def dynaspec(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynaspec", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dynaspec", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_generate_json_lines_in_input_order(target_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
-        json.dumps({"prompt": "def f(x):"}) + "\n"
-        + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+        json.dumps({"prompt": "def f(x):"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+        + "\n"
         + "plain text line\n"
     )
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
-    r = dynaspec("generate", "--model", str(target_dir), "--prompts-file", str(prompts), "--max-tokens", "8",
-                 "--dtype", "float32", "--kv-cache-memory-gb", "0.01", "--speculative-config", spec, "--json")
+    r = dynaspec(
+        "generate",
+        "--model",
+        str(target_dir),
+        "--prompts-file",
+        str(prompts),
+        "--max-tokens",
+        "8",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-gb",
+        "0.01",
+        "--speculative-config",
+        spec,
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     lines = [json.loads(line) for line in r.stdout.splitlines()]
     assert [line["index"] for line in lines[:-1]] == [0, 1, 2]
@@ -32,10 +50,33 @@ def test_generate_json_lines_in_input_order(target_dir, tmp_path):
 
 
 def test_generate_human_output_shows_k_by_batch_size(target_dir):
-    spec = json.dumps({"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3,
-                       "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 8, 1]]})
-    r = dynaspec("generate", "--model", str(target_dir), "--prompt", "a", "--prompt", "bb", "--prompt", "ccc",
-                 "--max-tokens", "6", "--dtype", "float32", "--kv-cache-memory-gb", "0.01", "--speculative-config", spec)
+    spec = json.dumps(
+        {
+            "method": "draft_model",
+            "model": str(target_dir),
+            "num_speculative_tokens": 3,
+            "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 8, 1]],
+        }
+    )
+    r = dynaspec(
+        "generate",
+        "--model",
+        str(target_dir),
+        "--prompt",
+        "a",
+        "--prompt",
+        "bb",
+        "--prompt",
+        "ccc",
+        "--max-tokens",
+        "6",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-gb",
+        "0.01",
+        "--speculative-config",
+        spec,
+    )
     assert r.returncode == 0, r.stderr
     assert "steps at each K by decode batch size" in r.stdout and "bs   3: K=1" in r.stdout
 
@@ -47,7 +88,10 @@ def test_generate_human_output_shows_k_by_batch_size(target_dir):
         (["--temperature", "-1"], "temperature:"),
         (["--max-tokens", "0"], "max_tokens:"),
         (["--speculative-config", "{bad json"], "speculative_config: invalid JSON"),
-        (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'], "speculative_config.method:"),
+        (
+            ["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'],
+            "speculative_config.method:",
+        ),
         (["--prompts-file", "/nonexistent.jsonl"], "dataset:"),
     ],
 )

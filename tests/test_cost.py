@@ -1,18 +1,18 @@
 """The live step-cost model and the goodput policy's choice of who drafts: pure functions, no model."""
 
 import json
+import random
 
 import pytest
-
-import random
+from records import step_record
 
 from dynaspec.engine.types import DraftCandidate, StepTiming
 from dynaspec.kpolicy.cost import LiveScale, StepCostModel, fit_timings, prior_from_grid
 from dynaspec.kpolicy.policy import FixedK, GoodputK, TableK
-from records import step_record
 from dynaspec.kpolicy.profile import Profile, best_k, load_profile, save_profile
 
-# a machine where a target step costs 100 + 5/verify token + 3/prefill token, a drafter pass 10 + 2/row + 1/catch-up token
+# a machine where a target step costs 100 + 5/verify token + 3/prefill token,
+# a drafter pass 10 + 2/row + 1/catch-up token
 TARGET, DRAFT = [100.0, 5.0, 3.0], [10.0, 2.0, 1.0]
 
 
@@ -25,7 +25,14 @@ GRID = {bs: {k: itl(bs, k) for k in range(5)} for bs in (1, 4, 16, 64)}
 
 def timing(bs, k, prefill=0, catchup=0, scale=1.0):
     target = scale * (TARGET[0] + TARGET[1] * bs * (k + 1) + TARGET[2] * prefill)
-    passes = [(bs, catchup if j == 0 else 0, scale * (DRAFT[0] + DRAFT[1] * bs + DRAFT[2] * (catchup if j == 0 else 0))) for j in range(k)]
+    passes = [
+        (
+            bs,
+            catchup if j == 0 else 0,
+            scale * (DRAFT[0] + DRAFT[1] * bs + DRAFT[2] * (catchup if j == 0 else 0)),
+        )
+        for j in range(k)
+    ]
     return StepTiming(bs * (k + 1), prefill, target, passes)
 
 
@@ -53,7 +60,13 @@ def test_prior_from_grid_recovers_a_linear_machine():
 
 
 def test_fit_timings_separates_prefill_and_catchup_costs():
-    steps = [timing(bs, k, prefill=p, catchup=c) for bs in (1, 3, 8) for k in (0, 2, 4) for p in (0, 100) for c in (0, 50)]
+    steps = [
+        timing(bs, k, prefill=p, catchup=c)
+        for bs in (1, 3, 8)
+        for k in (0, 2, 4)
+        for p in (0, 100)
+        for c in (0, 50)
+    ]
     fitted = fit_timings(steps)
     assert fitted["target_ms"] == pytest.approx(TARGET, abs=1e-3)
     assert fitted["draft_pass_ms"] == pytest.approx(DRAFT, abs=1e-3)
@@ -78,7 +91,15 @@ def test_noisy_steps_at_one_operating_point_do_not_tilt_speculation():
         costs = StepCostModel(TARGET, DRAFT)
         for step in range(60):
             noise = rng.lognormvariate(0, 0.25) * (3.0 if rng.random() < 0.03 else 1.0)
-            costs.observe(timing(2, 4, prefill=100 if step % 6 == 0 else 0, catchup=100 if step % 6 == 1 else 0, scale=noise))
+            costs.observe(
+                timing(
+                    2,
+                    4,
+                    prefill=100 if step % 6 == 0 else 0,
+                    catchup=100 if step % 6 == 1 else 0,
+                    scale=noise,
+                )
+            )
             tilt = costs.drift(2, 4) / costs.drift(2, 0)
             worst = max(worst, tilt, 1 / tilt)
     assert worst < 1.25
@@ -93,12 +114,28 @@ def test_drafter_follows_the_machine_until_it_has_run():
 
 
 def test_live_costs_move_k():
-    policy = GoodputK(Profile(4, [0.9, 0.85, 0.8, 0.75], GRID, cost_model={"target_ms": TARGET, "draft_pass_ms": DRAFT}), 4, 1)
+    policy = GoodputK(
+        Profile(4, [0.9, 0.85, 0.8, 0.75], GRID, cost_model={"target_ms": TARGET, "draft_pass_ms": DRAFT}),
+        4,
+        1,
+    )
     k_before = policy.k_for_batch(16)
     assert k_before > 0
     for _ in range(300):  # the drafter turns 10x slower than profiled
-        policy.observe(step_record([], [], StepTiming(16, 0, itl(16, 0) - 0.0, [(16, 0, 10 * (DRAFT[0] + DRAFT[1] * 16))])))
-        policy.observe(step_record([], [], StepTiming(16 * 4, 0, TARGET[0] + TARGET[1] * 64, [(16, 0, 10 * (DRAFT[0] + DRAFT[1] * 16))] * 3)))
+        policy.observe(
+            step_record(
+                [], [], StepTiming(16, 0, itl(16, 0) - 0.0, [(16, 0, 10 * (DRAFT[0] + DRAFT[1] * 16))])
+            )
+        )
+        policy.observe(
+            step_record(
+                [],
+                [],
+                StepTiming(
+                    16 * 4, 0, TARGET[0] + TARGET[1] * 64, [(16, 0, 10 * (DRAFT[0] + DRAFT[1] * 16))] * 3
+                ),
+            )
+        )
     assert policy.k_for_batch(16) < k_before
 
 
@@ -135,7 +172,10 @@ def test_no_drafting_at_all_when_nobody_is_caught_up_and_catchup_cannot_pay():
     k, drafts = policy.choose([DraftCandidate(300, 20)] * 8)
     assert drafts == [0] * 8 and k == 0
     cheap = goodput(catchup_ms_per_token=0.0)  # free catch-up: everyone drafts at the plain K
-    assert cheap.choose([DraftCandidate(300, 20)] * 8) == (best_k(ALPHA4, GRID, 8, 4), [best_k(ALPHA4, GRID, 8, 4)] * 8)
+    assert cheap.choose([DraftCandidate(300, 20)] * 8) == (
+        best_k(ALPHA4, GRID, 8, 4),
+        [best_k(ALPHA4, GRID, 8, 4)] * 8,
+    )
 
 
 def test_drafting_and_costs_never_crash_on_empty_data():
@@ -150,7 +190,10 @@ def test_drafting_and_costs_never_crash_on_empty_data():
 
 def test_cost_model_round_trips_and_bad_one_is_refused(tmp_path):
     path = tmp_path / "p.json"
-    save_profile(Profile(2, [0.5, 0.4], {1: {0: 10.0}}, [[1, 1, 0]], {"target_ms": TARGET, "draft_pass_ms": DRAFT}), path)
+    save_profile(
+        Profile(2, [0.5, 0.4], {1: {0: 10.0}}, [[1, 1, 0]], {"target_ms": TARGET, "draft_pass_ms": DRAFT}),
+        path,
+    )
     assert load_profile(path).cost_model == {"target_ms": TARGET, "draft_pass_ms": DRAFT}
     data = json.loads(path.read_text())
     for bad in ({"target_ms": [1, 2]}, {"target_ms": TARGET, "draft_pass_ms": [1, "x", 3]}, [1, 2, 3]):
@@ -174,7 +217,9 @@ def test_caught_up_slots_still_pay_the_steady_state_catchup_of_their_replacement
     # long outputs make the slot cheap again
     policy.hysteresis.current = None
     assert policy.choose([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=100_000)] * 8)[0] > 0
-    assert DraftCandidate(300, 20, prompt_tokens=200, max_tokens=100).catchup_per_token() == pytest.approx(299 / 20)
+    assert DraftCandidate(300, 20, prompt_tokens=200, max_tokens=100).catchup_per_token() == pytest.approx(
+        299 / 20
+    )
 
 
 def test_k_is_chosen_for_every_running_request_but_only_decoding_ones_draft():
@@ -190,7 +235,9 @@ def test_k_is_chosen_for_every_running_request_but_only_decoding_ones_draft():
     # 1 decoding request and 3 prefilling: K for a load of 4, drafted by the decoding one only
     k, drafts = policy.choose([DraftCandidate(1, 20)] + prefilling[:3])
     assert (k, drafts) == (k_small, [k_small, 0, 0, 0])
-    assert policy.snapshot()["requests_withheld"] == 0  # prefilling requests are not withheld, they cannot draft yet
+    assert (
+        policy.snapshot()["requests_withheld"] == 0
+    )  # prefilling requests are not withheld, they cannot draft yet
     # fixed and table policies: prefilling requests never draft either
     table = TableK([[1, 4, 3], [5, 64, 0]], 4, hysteresis_steps=1)
     assert table.choose([DraftCandidate(1, 20)] * 2 + prefilling[:3]) == (3, [3, 3, 0, 0, 0])

@@ -95,7 +95,9 @@ def test_stop_string_and_max_tokens(target_dir, alone):
     full = llm.generate(PROMPTS[0], GREEDY)[0]
     stop = full.text[5:8]
     assert stop
-    cut = llm.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    cut = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    )[0]
     assert cut.finish_reason == "stop"
     assert stop not in cut.text and full.text.startswith(cut.text)
     short = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0))[0]
@@ -104,7 +106,10 @@ def test_stop_string_and_max_tokens(target_dir, alone):
 
 def test_seeded_sampling_is_reproducible(target_dir):
     llm = LLM(str(target_dir), dtype="float32", kv_cache_memory_gb=0.01, progress=False)
-    params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=s, ignore_eos=True) for s in (1, 1, 2)]
+    params = [
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=s, ignore_eos=True)
+        for s in (1, 1, 2)
+    ]
     a, b, c = llm.generate([PROMPTS[0]] * 3, params)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
@@ -129,4 +134,6 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 def test_chat_messages_use_the_template(target_dir):
     engine = make_engine(target_dir)
     r = engine.add_request([{"role": "user", "content": "hi"}], GREEDY)
-    assert r.prompt_token_ids == engine.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert r.prompt_token_ids == engine.tokenizer.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )

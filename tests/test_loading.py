@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import IM_END, IM_START, dynaspec_logits, make_tiny_gguf, make_tiny_model_dir, make_tiny_tokenizer
 
 from dynaspec.models import packs
 from dynaspec.models.gguf import convert_gguf
 from dynaspec.models.loader import load_config, load_hf_dir, load_tokenizer, load_weights, resolve_model
 from dynaspec.models.tokenizer import IncrementalDetokenizer, Tokenizer
-from tiny import IM_END, IM_START, dynaspec_logits, make_tiny_gguf, make_tiny_model_dir, make_tiny_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,7 +144,9 @@ def test_resolve_model_choices(tiny_dirs, tmp_path):
     not_gguf.write_bytes(b"x")
     with pytest.raises(ValueError, match="not a .gguf file"):
         resolve_model(str(not_gguf))
-    with pytest.raises(ValueError, match=r"unknown model 'no-such-model'.*known: qwen2.5-coder-1.5b-instruct"):
+    with pytest.raises(
+        ValueError, match=r"unknown model 'no-such-model'.*known: qwen2.5-coder-1.5b-instruct"
+    ):
         resolve_model("no-such-model")
     with pytest.raises(ValueError, match="unknown pack 'nope'.*smollm2-135m-instruct"):
         packs.pull("nope")
@@ -251,8 +253,9 @@ def test_gguf_conversion_matches_transformers_gguf_loader(tiny_dirs, tmp_path, n
     gguf_path = tmp_path / f"{name}.gguf"
     make_tiny_gguf(tiny_dirs[name], gguf_path)
     weights = load_weights(convert_gguf(gguf_path, tmp_path / "converted", progress=False))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_path.name,
-                                                           dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=gguf_path.name, dtype=torch.float32
+    )
     state = ref.state_dict()
     for key, value in weights.items():
         assert torch.equal(value, state[key]), key
@@ -261,8 +264,15 @@ def test_gguf_conversion_matches_transformers_gguf_loader(tiny_dirs, tmp_path, n
 def test_gguf_types_and_cache(tiny_dirs, tmp_path):
     """F32/F16/Q8_0 everywhere, and resolve_model converts a .gguf once, again when it changes."""
     gguf_path = tmp_path / "m.gguf"
-    types = {"embed_tokens.weight": "F32", "q_proj.weight": "F16", "k_proj.weight": "Q8_0",
-             "v_proj.weight": "Q8_0", "o_proj.weight": "F16", "mlp": "Q8_0", "lm_head.weight": "F16"}
+    types = {
+        "embed_tokens.weight": "F32",
+        "q_proj.weight": "F16",
+        "k_proj.weight": "Q8_0",
+        "v_proj.weight": "Q8_0",
+        "o_proj.weight": "F16",
+        "mlp": "Q8_0",
+        "lm_head.weight": "F16",
+    }
     expected = make_tiny_gguf(tiny_dirs["llama"], gguf_path, types)
     first = resolve_model(str(gguf_path), progress=False)
     assert first.is_relative_to(packs.cache_root())
@@ -307,7 +317,10 @@ def _fake_wheel(path: Path, member: str, payload: bytes, recorded: bytes | None 
     digest = base64.urlsafe_b64encode(hashlib.sha256(recorded or payload).digest()).rstrip(b"=").decode()
     with zipfile.ZipFile(path, "w") as wheel:
         wheel.writestr(member, payload)
-        wheel.writestr("pkg-0.1.dist-info/RECORD", f"{member},sha256={digest},{len(payload)}\npkg-0.1.dist-info/RECORD,,\n")
+        wheel.writestr(
+            "pkg-0.1.dist-info/RECORD",
+            f"{member},sha256={digest},{len(payload)}\npkg-0.1.dist-info/RECORD,,\n",
+        )
     return path
 
 

@@ -13,17 +13,33 @@ BLOCK = 4
 
 
 def _hf_model(arch: str, tie: bool):
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[arch]
     kwargs = dict(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=tie, initializer_range=0.2, rms_norm_eps=1e-6,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        initializer_range=0.2,
+        rms_norm_eps=1e-6,
     )
     if arch == "qwen3":
         kwargs["head_dim"] = 32  # differs from hidden/heads on purpose
     if arch == "llama":
-        kwargs["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        kwargs["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cls(**kwargs), torch_dtype=torch.float32).eval()
     if arch == "qwen2":  # random init zeroes biases: give them values so they are tested
@@ -42,8 +58,10 @@ def _ours(hf) -> LlamaModel:
 def _kv(model: LlamaModel, num_blocks: int):
     c = model.config
     return [
-        (torch.zeros(num_blocks * BLOCK, c.num_key_value_heads, c.head_dim),
-         torch.zeros(num_blocks * BLOCK, c.num_key_value_heads, c.head_dim))
+        (
+            torch.zeros(num_blocks * BLOCK, c.num_key_value_heads, c.head_dim),
+            torch.zeros(num_blocks * BLOCK, c.num_key_value_heads, c.head_dim),
+        )
         for _ in range(c.num_hidden_layers)
     ]
 
@@ -65,7 +83,10 @@ def test_logits_match_transformers(arch, tie):
     table = [5, 2, 7, 0, 3, 1]  # scattered blocks on purpose
     kv = _kv(ours, 8)
     # prefill in two chunks, then decode token by token: all through the paged cache
-    pieces = [_run(ours, kv, ids[0, :10].tolist(), 0, 10, table), _run(ours, kv, ids[0, 10:19].tolist(), 10, 19, table)]
+    pieces = [
+        _run(ours, kv, ids[0, :10].tolist(), 0, 10, table),
+        _run(ours, kv, ids[0, 10:19].tolist(), 10, 19, table),
+    ]
     for p in range(19, 23):
         pieces.append(_run(ours, kv, [ids[0, p].item()], p, p + 1, table))
     got = torch.cat(pieces)
@@ -83,7 +104,9 @@ def test_batched_varlen_equals_single():
     for s, t in zip(seqs, tables):
         singles.append(_run(ours, _kv(ours, 14), s, 0, len(s), t))
     kv = _kv(ours, 14)
-    meta = build_attention_metadata([len(s) for s in seqs], [len(s) for s in seqs], tables, BLOCK, torch.device("cpu"))
+    meta = build_attention_metadata(
+        [len(s) for s in seqs], [len(s) for s in seqs], tables, BLOCK, torch.device("cpu")
+    )
     ids = torch.tensor([t for s in seqs for t in s])
     pos = torch.cat([torch.arange(len(s)) for s in seqs])
     batched = ours.compute_logits(ours(ids, pos, kv, meta))
@@ -92,8 +115,16 @@ def test_batched_varlen_equals_single():
 
 def test_unsupported_architecture_is_refused():
     with pytest.raises(ValueError, match="unsupported architecture 'mistral'"):
-        ModelConfig.from_hf_dict({"model_type": "mistral", "vocab_size": 4, "hidden_size": 4,
-                                  "intermediate_size": 4, "num_hidden_layers": 1, "num_attention_heads": 1})
+        ModelConfig.from_hf_dict(
+            {
+                "model_type": "mistral",
+                "vocab_size": 4,
+                "hidden_size": 4,
+                "intermediate_size": 4,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 1,
+            }
+        )
 
 
 def test_lone_half_precision_row_runs_as_two_with_the_same_result():

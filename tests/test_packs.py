@@ -11,10 +11,10 @@ import gc
 
 import pytest
 import torch
+from tiny import dynaspec_logits
 
 from dynaspec.models import packs
 from dynaspec.models.loader import load_config, load_tokenizer, load_weights
-from tiny import dynaspec_logits
 
 pytestmark = pytest.mark.packs
 
@@ -49,10 +49,12 @@ def _compare_to_checkpoint(hf_dir, state: dict[str, torch.Tensor], tied: bool) -
     seen = set()
     for file in sorted(hf_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118  (a safetensors file handle, not a dict)
                 value = f.get_tensor(key)
                 assert value.dtype == torch.float32 and value.shape == state[key].shape, key
-                assert torch.equal(value, state[key]), f"{key}: max diff {(value - state[key]).abs().max():.3g}"
+                assert torch.equal(value, state[key]), (
+                    f"{key}: max diff {(value - state[key]).abs().max():.3g}"
+                )
                 seen.add(key)
     assert seen == set(state) - ({"lm_head.weight"} if tied else set())
 
@@ -65,10 +67,13 @@ def test_pack_matches_transformers_gguf_loading(name):
     config = load_config(hf_dir)
     tokenizer = load_tokenizer(hf_dir)
 
-    ref_tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    ref_tokenizer = transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name
+    )
     ids = tokenizer.apply_chat_template(MESSAGES)
-    assert ids == ref_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False)
+    assert ids == ref_tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert tokenizer.get_vocab() == ref_tokenizer.get_vocab()
 
     ref = transformers.AutoModelForCausalLM.from_pretrained(

@@ -1,13 +1,22 @@
 """K policies and the profile file: pure functions, no model."""
 
+import itertools
 import json
 
 import pytest
-
 from records import step_record
+
 from dynaspec.kpolicy.config import SpeculativeConfig, table_lookup
 from dynaspec.kpolicy.policy import AcceptanceEstimate, FixedK, GoodputK, Hysteresis, TableK, make_policy
-from dynaspec.kpolicy.profile import Profile, best_k, derive_table, interpolate_itl, load_profile, save_profile, smooth_itl
+from dynaspec.kpolicy.profile import (
+    Profile,
+    best_k,
+    derive_table,
+    interpolate_itl,
+    load_profile,
+    save_profile,
+    smooth_itl,
+)
 
 # verification is cheap at small batch sizes and expensive at large ones, as on a real machine
 STATS = {
@@ -93,7 +102,7 @@ def test_profile_round_trip_and_derived_table(tmp_path):
     p.num_speculative_tokens_per_batch_size = derive_table(ALPHA, STATS, 4)
     table = p.num_speculative_tokens_per_batch_size
     assert table[0][0] == 1 and table[0][2] == 4 and table[-1][2] == 0 and table[-1][1] == 32
-    assert all(a[1] + 1 == b[0] for a, b in zip(table, table[1:]))
+    assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(table))
     path = tmp_path / "profile.json"
     save_profile(p, path)
     loaded = load_profile(path)
@@ -109,7 +118,10 @@ def test_profile_round_trip_and_derived_table(tmp_path):
         ("{not json", "invalid JSON"),
         ("[]", "top level"),
         (json.dumps({"acceptance_rate_per_pos": []}), "max_num_speculative_tokens"),
-        (json.dumps({"max_num_speculative_tokens": 2, "acceptance_rate_per_pos": [1.5]}), "acceptance_rate_per_pos"),
+        (
+            json.dumps({"max_num_speculative_tokens": 2, "acceptance_rate_per_pos": [1.5]}),
+            "acceptance_rate_per_pos",
+        ),
         (json.dumps({"max_num_speculative_tokens": 2, "batch_stats": {"x": {}}}), "batch_stats"),
         (json.dumps({"max_num_speculative_tokens": 2, "batch_stats": {"1": {"0": -3}}}), "batch_stats"),
     ],
@@ -138,7 +150,12 @@ def test_smoothing_removes_a_noisy_dip_that_would_flip_k():
 def test_smoothing_makes_each_k_non_decreasing_in_batch_size_and_keeps_clean_grids():
     noisy = {1: {0: 199.0}, 2: {0: 185.0}, 4: {0: 202.0}, 8: {0: 244.0}}
     smooth = smooth_itl(noisy)
-    assert [smooth[bs][0] for bs in (1, 2, 4, 8)] == [192.0, 192.0, 202.0, 244.0]  # the dip pooled with its neighbour
+    assert [smooth[bs][0] for bs in (1, 2, 4, 8)] == [
+        192.0,
+        192.0,
+        202.0,
+        244.0,
+    ]  # the dip pooled with its neighbour
     clean = {bs: {k: 100.0 + 5 * bs * (k + 1) + k * (10 + 2 * bs) for k in range(5)} for bs in (1, 4, 16)}
     smoothed = smooth_itl(clean)
     assert all(smoothed[bs] == pytest.approx(clean[bs]) for bs in clean)

@@ -2,10 +2,11 @@
 
 import json
 
-from dynaspec.cli import main
-from dynaspec.bench.profiler import ProfileSettings, measure_catchup, measure_itl
-from dynaspec.kpolicy.profile import derive_table, load_profile
 from test_engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggered
+
+from dynaspec.bench.profiler import ProfileSettings, measure_catchup, measure_itl
+from dynaspec.cli import main
+from dynaspec.kpolicy.profile import derive_table, load_profile
 
 
 def test_profile_then_goodput_engine(tmp_path, target_dir):
@@ -14,16 +15,45 @@ def test_profile_then_goodput_engine(tmp_path, target_dir):
     out, plot = tmp_path / "profile.json", tmp_path / "goodput.png"
     # the target drafting for itself: acceptance near 1, so speculation pays and K > 0 is chosen
     spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3}
-    rc = main([
-        "profile", "--model", str(target_dir), "--speculative-config", json.dumps(spec), "--dtype", "float32",
-        "--kv-cache-memory-gb", "0.02", "--dataset", str(prompts), "--batch-sizes", "1,2,4", "--num-prompts", "3",
-        "--max-tokens", "12", "--warmup-steps", "1", "--measured-steps", "2", "--rounds", "2", "--output", str(out), "--plot", str(plot),
-    ])
+    rc = main(
+        [
+            "profile",
+            "--model",
+            str(target_dir),
+            "--speculative-config",
+            json.dumps(spec),
+            "--dtype",
+            "float32",
+            "--kv-cache-memory-gb",
+            "0.02",
+            "--dataset",
+            str(prompts),
+            "--batch-sizes",
+            "1,2,4",
+            "--num-prompts",
+            "3",
+            "--max-tokens",
+            "12",
+            "--warmup-steps",
+            "1",
+            "--measured-steps",
+            "2",
+            "--rounds",
+            "2",
+            "--output",
+            str(out),
+            "--plot",
+            str(plot),
+        ]
+    )
     assert rc == 0
     profile = load_profile(out)
     assert profile.max_num_speculative_tokens == 3
     assert sorted(profile.batch_stats) == [1, 2, 4]
-    assert all(sorted(row) == [0, 1, 2, 3] and all(t > 0 for t in row.values()) for row in profile.batch_stats.values())
+    assert all(
+        sorted(row) == [0, 1, 2, 3] and all(t > 0 for t in row.values())
+        for row in profile.batch_stats.values()
+    )
     assert len(profile.acceptance_rate_per_pos) == 3 and profile.acceptance_rate_per_pos[0] > 0
     assert profile.meta["settings"]["rounds"] == 2
     assert profile.num_speculative_tokens_per_batch_size[0][:1] == [1]
@@ -40,8 +70,13 @@ def test_profile_then_goodput_engine(tmp_path, target_dir):
 
 
 def test_itl_cells_are_visited_in_rounds_and_catchup_is_timed_on_lent_blocks(target_dir, draft_dir):
-    engine = make_engine(target_dir, speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2})
-    settings = ProfileSettings(batch_sizes=[1, 2], max_k=2, warmup_steps=1, measured_steps=1, rounds=3, catchup_rows=(1, 3))
+    engine = make_engine(
+        target_dir,
+        speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2},
+    )
+    settings = ProfileSettings(
+        batch_sizes=[1, 2], max_k=2, warmup_steps=1, measured_steps=1, rounds=3, catchup_rows=(1, 3)
+    )
     timings = []
     stats = measure_itl(engine, PROMPTS, settings, progress=False, timings=timings)
     assert sorted(stats) == [1, 2] and all(sorted(row) == [0, 1, 2] for row in stats.values())
@@ -58,7 +93,18 @@ def test_itl_cells_are_visited_in_rounds_and_catchup_is_timed_on_lent_blocks(tar
 
 def test_profile_refuses_bad_rounds(tmp_path, target_dir, capsys):
     spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 2}
-    rc = main(["profile", "--model", str(target_dir), "--speculative-config", json.dumps(spec), "--rounds", "0",
-               "--output", str(tmp_path / "p.json")])
+    rc = main(
+        [
+            "profile",
+            "--model",
+            str(target_dir),
+            "--speculative-config",
+            json.dumps(spec),
+            "--rounds",
+            "0",
+            "--output",
+            str(tmp_path / "p.json"),
+        ]
+    )
     assert rc != 0 and "--rounds: must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()

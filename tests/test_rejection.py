@@ -22,8 +22,11 @@ def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
 
 def _run(target_logits, draft_probs, draft_tokens, temperature=1.0, top_k=0, top_p=1.0):
     sampling = SamplingTensors(
-        temperature=torch.full((N,), temperature), top_k=torch.full((N,), top_k, dtype=torch.long),
-        top_p=torch.full((N,), top_p), generators=[torch.Generator().manual_seed(i) for i in range(N)], all_greedy=False,
+        temperature=torch.full((N,), temperature),
+        top_k=torch.full((N,), top_k, dtype=torch.long),
+        top_p=torch.full((N,), top_p),
+        generators=[torch.Generator().manual_seed(i) for i in range(N)],
+        all_greedy=False,
     )
     logits = target_logits.expand(N, K + 1, V)
     out = rejection_sample(logits, draft_tokens, [K] * N, draft_probs, sampling)
@@ -40,13 +43,17 @@ def test_draft_model_rejection_preserves_target_distribution(top_k, top_p):
     gen = torch.Generator().manual_seed(0)
     target_logits = torch.randn(1, K + 1, V, generator=gen) * 1.5
     draft_logits = torch.randn(1, K, V, generator=gen) * 1.5
-    q = processed_probs(draft_logits, torch.ones(1), torch.tensor([top_k]), torch.tensor([top_p]))[0]  # [K, V]
+    q = processed_probs(draft_logits, torch.ones(1), torch.tensor([top_k]), torch.tensor([top_p]))[
+        0
+    ]  # [K, V]
     drafts = _draws(q, gen)
     out, p = _run(target_logits, q.expand(N, K, V), drafts, top_k=top_k, top_p=top_p)
     first = np.bincount([o[0] for o in out], minlength=V)
     assert _chi2(first, p[0]) < CHI2_CRIT
     # the second token, among rows that accepted the first draft, follows p[1]
-    second = np.bincount([o[1] for o, d in zip(out, drafts.tolist()) if len(o) > 1 and o[0] == d[0]], minlength=V)
+    second = np.bincount(
+        [o[1] for o, d in zip(out, drafts.tolist()) if len(o) > 1 and o[0] == d[0]], minlength=V
+    )
     assert second.sum() > 1000
     assert _chi2(second, p[1]) < CHI2_CRIT
 
@@ -66,7 +73,9 @@ def test_a_wrong_acceptance_rule_would_be_caught():
     draft_logits = torch.randn(1, K, V, generator=gen) * 1.5
     q = processed_probs(draft_logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))[0]
     drafts = _draws(q, gen)
-    p = processed_probs(target_logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))[0].numpy()
+    p = processed_probs(target_logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))[
+        0
+    ].numpy()
     blind = np.bincount(drafts[:, 0].numpy(), minlength=V)
     assert _chi2(blind, p[0]) > CHI2_CRIT
 
@@ -77,8 +86,13 @@ def test_greedy_rows_accept_while_equal_to_argmax():
         for i, t in enumerate(best):
             logits[b, i, t] = 5.0
     drafts = torch.tensor([[1, 2, 0], [0, 0, 0]])
-    sampling = SamplingTensors(torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2),
-                               [torch.Generator(), torch.Generator()], True)
+    sampling = SamplingTensors(
+        torch.zeros(2),
+        torch.zeros(2, dtype=torch.long),
+        torch.ones(2),
+        [torch.Generator(), torch.Generator()],
+        True,
+    )
     out = rejection_sample(logits, drafts, [3, 1], None, sampling)
     assert out == [[1, 2, 3], [0, 0]]
 

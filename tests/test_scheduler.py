@@ -28,7 +28,15 @@ class NoText:
 
 
 def request(i, prompt_len=100):
-    return Request(f"r{i}", list(range(prompt_len)), SamplingParams(max_tokens=20), frozenset(), 4096, NoText(), torch.Generator())
+    return Request(
+        f"r{i}",
+        list(range(prompt_len)),
+        SamplingParams(max_tokens=20),
+        frozenset(),
+        4096,
+        NoText(),
+        torch.Generator(),
+    )
 
 
 def test_k_is_asked_for_the_load_while_arrivals_are_admitted_a_budget_at_a_time():
@@ -47,4 +55,4 @@ def test_k_is_asked_for_the_load_while_arrivals_are_admitted_a_budget_at_a_time(
     assert len(second.decodes) == 2 and second.k_caps == [2, 2]
     # shown: 2 decoding, then 1 still prefilling and 3 of the 5 waiting (6 = max_num_seqs in all)
     assert recorder.seen == [[True, True, False, False, False, False]]
-    assert [c.request.request_id for c in second.prefills][0] == "r2"
+    assert second.prefills[0].request.request_id == "r2"

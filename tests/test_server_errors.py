@@ -2,7 +2,6 @@
 
 import httpx
 import pytest
-
 from server_util import running_server
 
 
@@ -33,13 +32,22 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
         ("/v1/completions", {**GOOD, "top_p": 7}, 400, "top_p"),
         ("/v1/completions", {k: v for k, v in GOOD.items() if k != "prompt"}, 400, "prompt"),
         ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+            400,
+            "messages.0.role",
+        ),
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
     ],
 )
 def test_bad_input_then_good_request(base, path, body, status, param):
-    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     r = httpx.post(base + path, timeout=30, **kwargs)
     assert r.status_code == status, r.text
     error = r.json()["error"]

@@ -5,7 +5,6 @@ import json
 import time
 
 import httpx
-
 from server_util import running_server
 
 N, MAX_TOKENS = 200, 16
@@ -13,8 +12,16 @@ N, MAX_TOKENS = 200, 16
 
 async def one(client: httpx.AsyncClient, i: int) -> tuple[int, int | None]:
     """Returns (index, completion tokens) or (index, None) for a request that hung up."""
-    payload = {"model": "tiny", "prompt": f"request {i}: def f(x):", "max_tokens": MAX_TOKENS, "temperature": 0.7,
-               "seed": i, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "model": "tiny",
+        "prompt": f"request {i}: def f(x):",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.7,
+        "seed": i,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     disconnect = i % 5 == 0
     chunks = 0
     async with client.stream("POST", "/v1/completions", json=payload) as r:
@@ -53,5 +60,7 @@ def test_200_streams_with_disconnects(target_dir):
         text = httpx.get(f"{base}/metrics").text
         assert 'dynaspec:request_success_total{finished_reason="abort"}' in text
         # the server still serves after the storm
-        r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3}, timeout=30)
+        r = httpx.post(
+            f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3}, timeout=30
+        )
         assert r.status_code == 200

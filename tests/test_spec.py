@@ -1,9 +1,9 @@
 """Speculative decoding is lossless: greedy output equals plain greedy output token for token."""
 
 import pytest
+from test_engine import PROMPTS, make_engine, run_alone, run_staggered
 
 from dynaspec import SamplingParams
-from test_engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggered
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,9 @@ def spec_engine(target_dir, spec, **kw):
 
 @pytest.mark.parametrize("k", range(1, 8))
 def test_draft_model_greedy_equals_plain(target_dir, draft_dir, plain, k):
-    engine = spec_engine(target_dir, {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k})
+    engine = spec_engine(
+        target_dir, {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k}
+    )
     assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
     stats = engine.stats()["spec"]
     assert stats["num_draft_tokens"] > 0
@@ -33,8 +35,13 @@ def test_ngram_greedy_equals_plain(target_dir, plain, k):
 
 
 def test_per_batch_size_table_equals_plain_and_k_follows_batch_size(target_dir, draft_dir, plain):
-    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 5,
-            "num_speculative_tokens_per_batch_size": [[1, 1, 5], [2, 3, 2], [4, 8, 0]], "hysteresis_steps": 1}
+    spec = {
+        "method": "draft_model",
+        "model": str(draft_dir),
+        "num_speculative_tokens": 5,
+        "num_speculative_tokens_per_batch_size": [[1, 1, 5], [2, 3, 2], [4, 8, 0]],
+        "hysteresis_steps": 1,
+    }
     engine = spec_engine(target_dir, spec)
     assert run_staggered(engine, PROMPTS, arrive_every=1) == plain
     steps = engine.stats()["spec"]["steps_by_batch_size"]
@@ -45,7 +52,9 @@ def test_per_batch_size_table_equals_plain_and_k_follows_batch_size(target_dir, 
 
 def test_draft_equal_to_target_accepts_almost_everything(target_dir):
     k = 4
-    engine = spec_engine(target_dir, {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": k})
+    engine = spec_engine(
+        target_dir, {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": k}
+    )
     # 1 token from prefill + 20 steps of k + 1: no step is cut short by max_tokens
     params = SamplingParams(max_tokens=1 + 20 * (k + 1), temperature=0.0, ignore_eos=True)
     run_staggered(engine, PROMPTS, params, arrive_every=1)
@@ -55,8 +64,12 @@ def test_draft_equal_to_target_accepts_almost_everything(target_dir):
 
 
 def test_k0_runs_no_drafter(target_dir, draft_dir, plain):
-    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3,
-            "num_speculative_tokens_per_batch_size": [[1, 256, 0]]}
+    spec = {
+        "method": "draft_model",
+        "model": str(draft_dir),
+        "num_speculative_tokens": 3,
+        "num_speculative_tokens_per_batch_size": [[1, 256, 0]],
+    }
     engine = spec_engine(target_dir, spec)
     with engine.recording() as run:
         assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
@@ -90,17 +103,28 @@ def test_draft_with_another_tokenizer_is_refused(target_dir, tmp_path):
 
 
 @pytest.mark.parametrize("catchup_ms", [0.0, 1e6])
-def test_goodput_withholds_drafts_whose_catchup_cannot_pay(tmp_path, target_dir, draft_dir, plain, catchup_ms):
+def test_goodput_withholds_drafts_whose_catchup_cannot_pay(
+    tmp_path, target_dir, draft_dir, plain, catchup_ms
+):
     """A profile where K = 3 is far cheaper than K = 0 wants K = 3 whatever the live costs once the
     drafter is caught up; the catch-up price decides whether new requests get drafts at all.
     Either way the output is the plain one."""
     from dynaspec.kpolicy.profile import Profile, save_profile
 
     stats = {bs: {0: 100.0, 1: 10.0, 2: 10.0, 3: 10.0} for bs in (1, 8)}
-    profile = Profile(3, [1.0, 1.0, 1.0], stats, cost_model={"target_ms": [1.0, 0.0, 0.0], "draft_pass_ms": [0.01, 0.0, catchup_ms]})
+    profile = Profile(
+        3,
+        [1.0, 1.0, 1.0],
+        stats,
+        cost_model={"target_ms": [1.0, 0.0, 0.0], "draft_pass_ms": [0.01, 0.0, catchup_ms]},
+    )
     save_profile(profile, tmp_path / "p.json")
-    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3,
-            "dynamic_config_path": str(tmp_path / "p.json")}
+    spec = {
+        "method": "draft_model",
+        "model": str(draft_dir),
+        "num_speculative_tokens": 3,
+        "dynamic_config_path": str(tmp_path / "p.json"),
+    }
     engine = spec_engine(target_dir, spec)
     with engine.recording() as run:
         assert run_staggered(engine, PROMPTS, arrive_every=2) == plain

@@ -6,8 +6,12 @@ import pytest
 
 from dynaspec.kpolicy.config import SpeculativeConfig
 
-GOOD = {"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 5,
-        "num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 16, 2], [17, 256, 0]]}
+GOOD = {
+    "method": "draft_model",
+    "model": "qwen2.5-coder-0.5b-instruct",
+    "num_speculative_tokens": 5,
+    "num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 16, 2], [17, 256, 0]],
+}
 
 
 def test_json_string_dict_and_file(tmp_path):
@@ -33,7 +37,10 @@ def test_json_string_dict_and_file(tmp_path):
         ({"num_speculative_tokens": "5"}, "num_speculative_tokens"),
         ({"num_speculative_tokens": None}, "num_speculative_tokens"),
         ({"num_speculative_tokens_per_batch_size": [[2, 4, 5]]}, "num_speculative_tokens_per_batch_size"),
-        ({"num_speculative_tokens_per_batch_size": [[1, 4, 5], [3, 8, 2]]}, "num_speculative_tokens_per_batch_size"),
+        (
+            {"num_speculative_tokens_per_batch_size": [[1, 4, 5], [3, 8, 2]]},
+            "num_speculative_tokens_per_batch_size",
+        ),
         ({"num_speculative_tokens_per_batch_size": [[1, 4]]}, "num_speculative_tokens_per_batch_size"),
         ({"num_speculative_tokens_per_batch_size": [[1, 4, -1]]}, "num_speculative_tokens_per_batch_size"),
         ({"num_speculative_tokens_per_batch_size": [[4, 1, 2]]}, "num_speculative_tokens_per_batch_size"),

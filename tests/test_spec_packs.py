@@ -13,8 +13,8 @@ import torch
 from dynaspec import SamplingParams
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.engine.runner import TokenRun
-from dynaspec.kpolicy.policy import FixedK, make_policy
 from dynaspec.kpolicy.config import SpeculativeConfig
+from dynaspec.kpolicy.policy import FixedK, make_policy
 
 pytestmark = pytest.mark.packs
 
@@ -33,7 +33,11 @@ SPEC = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}
 def _plain_and_speculative(dtype: str) -> tuple[Engine, list[list[int]], list[list[int]]]:
     """One engine (one load of each model): K=0 first, which never runs the drafter (the plain
     path), then K=4."""
-    engine = Engine(EngineConfig(model=TARGET, dtype=dtype, speculative_config=SPEC, kv_cache_memory_gb=0.5, progress=False))
+    engine = Engine(
+        EngineConfig(
+            model=TARGET, dtype=dtype, speculative_config=SPEC, kv_cache_memory_gb=0.5, progress=False
+        )
+    )
     outputs = []
     for policy in (FixedK(0), make_policy(SpeculativeConfig.parse(SPEC))):
         engine.set_k_policy(policy)
@@ -73,6 +77,8 @@ def test_bfloat16_divergences_only_at_near_ties():
             continue
         prefix = engine.tokenizer.apply_chat_template(prompt) + a[:first]
         divergences.append((first, _top2_gap(engine, prefix)))
-    print(f"bf16: {len(divergences)}/{len(PROMPTS)} prompts diverged; (token index, top-2 gap): {divergences}")
+    print(
+        f"bf16: {len(divergences)}/{len(PROMPTS)} prompts diverged; (token index, top-2 gap): {divergences}"
+    )
     for index, gap in divergences:
         assert gap < NEAR_TIE, f"divergence at token {index} with a top-2 logit gap of {gap:.3f}"

@@ -143,8 +143,12 @@ def make_tiny_model_dir(
             for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                 if proj.bias is not None:
                     proj.bias.normal_(0, init_std)
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm,
-                         getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+            for norm in (
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                getattr(attn, "q_norm", None),
+                getattr(attn, "k_norm", None),
+            ):
                 if norm is not None:  # ones by default: perturb so a mixed-up norm is caught
                     norm.weight.normal_(1.0, 0.1)
         model.model.norm.weight.normal_(1.0, 0.1)
@@ -214,7 +218,9 @@ def make_tiny_gguf(hf_dir: Path, out_path: Path, tensor_types: dict[str, str] | 
     arch = config["model_type"]
     types = DEFAULT_GGUF_TYPES if tensor_types is None else tensor_types
     state = load_file(str(hf_dir / "model.safetensors"))
-    name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, _GGUF_ARCH_KEYS[arch]), config["num_hidden_layers"])
+    name_map = gguf.get_tensor_name_map(
+        getattr(gguf.MODEL_ARCH, _GGUF_ARCH_KEYS[arch]), config["num_hidden_layers"]
+    )
 
     writer = gguf.GGUFWriter(str(out_path), arch)
     writer.add_name(f"tiny-{arch}")
@@ -241,7 +247,9 @@ def make_tiny_gguf(hf_dir: Path, out_path: Path, tensor_types: dict[str, str] | 
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    )
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
@@ -261,8 +269,9 @@ def make_tiny_gguf(hf_dir: Path, out_path: Path, tensor_types: dict[str, str] | 
             n_head = config["num_key_value_heads"]
         if n_head is not None:
             w = _llama_cpp_permute(w, n_head)
-        qtype = getattr(gguf.GGMLQuantizationType, next(
-            (t for key, t in types.items() if hf_name.endswith(key)), "F32"))
+        qtype = getattr(
+            gguf.GGMLQuantizationType, next((t for key, t in types.items() if hf_name.endswith(key)), "F32")
+        )
         if qtype == gguf.GGMLQuantizationType.F32:
             data = np.ascontiguousarray(w, dtype=np.float32)
             writer.add_tensor(gguf_name, data)
@@ -284,8 +293,9 @@ def make_tiny_gguf(hf_dir: Path, out_path: Path, tensor_types: dict[str, str] | 
     return expected
 
 
-def dynaspec_logits(config, weights: dict[str, torch.Tensor], ids: list[int],
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [len(ids), vocab] float32
+def dynaspec_logits(
+    config, weights: dict[str, torch.Tensor], ids: list[int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:  # [len(ids), vocab] float32
     """Logits of one prefill of ids through dynaspec's LlamaModel (paged KV cache, one sequence)."""
     from dynaspec.models.attention import build_attention_metadata
     from dynaspec.models.llama import LlamaModel
@@ -295,10 +305,14 @@ def dynaspec_logits(config, weights: dict[str, torch.Tensor], ids: list[int],
     block = 16
     num_blocks = (len(ids) + block - 1) // block
     kv = [
-        (torch.zeros(num_blocks * block, config.num_key_value_heads, config.head_dim, dtype=dtype),
-         torch.zeros(num_blocks * block, config.num_key_value_heads, config.head_dim, dtype=dtype))
+        (
+            torch.zeros(num_blocks * block, config.num_key_value_heads, config.head_dim, dtype=dtype),
+            torch.zeros(num_blocks * block, config.num_key_value_heads, config.head_dim, dtype=dtype),
+        )
         for _ in range(config.num_hidden_layers)
     ]
-    meta = build_attention_metadata([len(ids)], [len(ids)], [list(range(num_blocks))], block, torch.device("cpu"))
+    meta = build_attention_metadata(
+        [len(ids)], [len(ids)], [list(range(num_blocks))], block, torch.device("cpu")
+    )
     hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv, meta)
     return model.compute_logits(hidden)

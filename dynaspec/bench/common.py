@@ -6,8 +6,9 @@ import datetime
 import json
 import platform
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ def environment() -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -37,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
     sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     if not sizes or min(sizes) < 1:
         raise ValueError("--batch-sizes: need comma-separated integers >= 1")
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(sizes), kv_cache_memory_gb=1.0))
+    engine = Engine(
+        EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(sizes), kv_cache_memory_gb=1.0)
+    )
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -61,7 +63,14 @@ def run(args: argparse.Namespace) -> int:
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
         start = time.perf_counter()
         with torch.inference_mode():
-            out = hf.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id)
+            out = hf.generate(
+                x,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
         return time.perf_counter() - start, out[:, width:].tolist()
 
     runners = {"dynaspec": dynaspec_run}
@@ -73,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
     for bs in sizes:
         acc = {name: {"decode_s": 0.0, "tokens": 0, "e2e_s": 0.0, "outputs": []} for name in runners}
         for _ in range(args.repeats):
-            batch = [engine.tokenizer.apply_chat_template(prompts[(cursor + i) % len(prompts)]) for i in range(bs)]
+            batch = [
+                engine.tokenizer.apply_chat_template(prompts[(cursor + i) % len(prompts)]) for i in range(bs)
+            ]
             cursor += bs
             for name, fn in runners.items():
                 t1, _ = fn(batch, 1)
@@ -86,23 +97,47 @@ def run(args: argparse.Namespace) -> int:
         speeds = {name: a["tokens"] / a["decode_s"] for name, a in acc.items()}
         agree = None
         if "transformers" in acc:
-            agree = sum(_common_prefix(x, y) for x, y in zip(acc["dynaspec"]["outputs"], acc["transformers"]["outputs"]))
+            agree = sum(
+                _common_prefix(x, y)
+                for x, y in zip(acc["dynaspec"]["outputs"], acc["transformers"]["outputs"])
+            )
         ratio = speeds["dynaspec"] / speeds["transformers"] if "transformers" in speeds else None
-        rows.append([bs, speeds["dynaspec"], speeds.get("transformers"), ratio,
-                     None if agree is None else f"{agree}/{len(acc['dynaspec']['outputs']) * args.max_tokens}"])
-        records.append({
-            "batch_size": bs,
-            "dynaspec_decode_tokens_per_s": round(speeds["dynaspec"], 3),
-            "transformers_decode_tokens_per_s": round(speeds["transformers"], 3) if "transformers" in speeds else None,
-            "ratio": None if ratio is None else round(ratio, 3),
-            "dynaspec_e2e_s": round(acc["dynaspec"]["e2e_s"], 3),
-            "transformers_e2e_s": round(acc["transformers"]["e2e_s"], 3) if "transformers" in acc else None,
-            "greedy_tokens_agreeing_prefix": agree,
-        })
+        rows.append(
+            [
+                bs,
+                speeds["dynaspec"],
+                speeds.get("transformers"),
+                ratio,
+                None if agree is None else f"{agree}/{len(acc['dynaspec']['outputs']) * args.max_tokens}",
+            ]
+        )
+        records.append(
+            {
+                "batch_size": bs,
+                "dynaspec_decode_tokens_per_s": round(speeds["dynaspec"], 3),
+                "transformers_decode_tokens_per_s": round(speeds["transformers"], 3)
+                if "transformers" in speeds
+                else None,
+                "ratio": None if ratio is None else round(ratio, 3),
+                "dynaspec_e2e_s": round(acc["dynaspec"]["e2e_s"], 3),
+                "transformers_e2e_s": round(acc["transformers"]["e2e_s"], 3)
+                if "transformers" in acc
+                else None,
+                "greedy_tokens_agreeing_prefix": agree,
+            }
+        )
         print(f"batch size {bs} done", flush=True)
-    print(format_table(["batch", "dynaspec tok/s", "transformers tok/s", "ratio", "greedy prefix agree"], rows))
-    write_result(args.result_file, {"benchmark": "decode", "args": {k: v for k, v in vars(args).items() if k != "func"},
-                                    "rows": records})
+    print(
+        format_table(["batch", "dynaspec tok/s", "transformers tok/s", "ratio", "greedy prefix agree"], rows)
+    )
+    write_result(
+        args.result_file,
+        {
+            "benchmark": "decode",
+            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "rows": records,
+        },
+    )
     return 0
 
 

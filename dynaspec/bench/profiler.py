@@ -19,19 +19,19 @@ import datetime
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from tqdm import tqdm
 
 from dynaspec.bench.common import environment
 from dynaspec.engine.engine import Engine
-from dynaspec.sampling_params import SamplingParams
 from dynaspec.engine.types import DraftPass, StepTiming
 from dynaspec.kpolicy.cost import fit_timings
 from dynaspec.kpolicy.policy import FixedK
 from dynaspec.kpolicy.profile import Profile, derive_table
+from dynaspec.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -49,10 +49,16 @@ class ProfileSettings:
 
 
 def measure_acceptance(
-    engine: Engine, prompts: list, settings: ProfileSettings, progress: bool = True, timings: list | None = None
+    engine: Engine,
+    prompts: list,
+    settings: ProfileSettings,
+    progress: bool = True,
+    timings: list | None = None,
 ) -> list[float]:
     """α_i for i = 1..max_k, from generating on ``prompts`` with K fixed at max_k."""
-    params = SamplingParams(max_tokens=settings.acceptance_max_tokens, temperature=settings.temperature, seed=0)
+    params = SamplingParams(
+        max_tokens=settings.acceptance_max_tokens, temperature=settings.temperature, seed=0
+    )
     chosen = prompts[: settings.num_acceptance_prompts]
     with _fixed_k(engine, settings.max_k), engine.recording() as run:
         for p in chosen:
@@ -67,18 +73,27 @@ def measure_acceptance(
 
 
 def measure_itl(
-    engine: Engine, prompts: list, settings: ProfileSettings, progress: bool = True, timings: list | None = None
+    engine: Engine,
+    prompts: list,
+    settings: ProfileSettings,
+    progress: bool = True,
+    timings: list | None = None,
 ) -> dict[int, dict[int, float]]:
     """Median step time in ms for each batch size and K = 0..max_k, K interleaved in rounds."""
     batch_stats: dict[int, dict[int, float]] = {}
     ks = list(range(settings.max_k + 1))
     visits = len(settings.batch_sizes) * len(ks) * settings.rounds
     steps_per_visit = settings.warmup_steps + settings.measured_steps
-    with tqdm(total=visits, desc="ITL(bs, K)", unit="visit", disable=not progress) as bar, engine.recording() as run:
+    with (
+        tqdm(total=visits, desc="ITL(bs, K)", unit="visit", disable=not progress) as bar,
+        engine.recording() as run,
+    ):
         for bs in settings.batch_sizes:
             # enough tokens for every visit to run its steps without any request finishing
             budget = settings.rounds * len(ks) * steps_per_visit * (settings.max_k + 1) + 8
-            params = SamplingParams(max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0)
+            params = SamplingParams(
+                max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0
+            )
             requests = [engine.add_request(prompts[i % len(prompts)], params) for i in range(bs)]
             with _fixed_k(engine, 0):
                 while not all(r.is_decoding for r in requests):  # prefill everyone first
@@ -114,7 +129,9 @@ def measure_catchup(engine: Engine, prompts: list, settings: ProfileSettings, ti
         try:
             if not all(engine.allocator.grow(t, len(c)) for t, c in zip(tables, chosen)):
                 break  # the KV budget holds no more prompts at once
-            if engine.proposer.catch_up(chosen, tables) is None:  # warm-up: first passes of a shape are slower
+            if (
+                engine.proposer.catch_up(chosen, tables) is None
+            ):  # warm-up: first passes of a shape are slower
                 return  # a proposer with nothing to catch up on (ngram)
             for _ in range(settings.catchup_repeats):
                 ms = engine.proposer.catch_up(chosen, tables)
@@ -125,7 +142,9 @@ def measure_catchup(engine: Engine, prompts: list, settings: ProfileSettings, ti
                 engine.allocator.free(t)
 
 
-def run_profile(engine: Engine, prompts: list, settings: ProfileSettings, meta: dict, progress: bool = True) -> Profile:
+def run_profile(
+    engine: Engine, prompts: list, settings: ProfileSettings, meta: dict, progress: bool = True
+) -> Profile:
     timings: list[StepTiming] = []
     alpha = measure_acceptance(engine, prompts, settings, progress, timings)
     batch_stats = measure_itl(engine, prompts, settings, progress, timings)
@@ -138,7 +157,7 @@ def run_profile(engine: Engine, prompts: list, settings: ProfileSettings, meta: 
         cost_model=fit_timings(timings),
         meta={
             **meta,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "torch": torch.__version__,
             "device": str(engine.device),
             "cpu": environment()["cpu"],

@@ -22,7 +22,12 @@ def add_parser(sub) -> None:
     p.add_argument("--dataset", default="mtbench")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (inf: all at once)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s, Poisson arrivals (inf: all at once)",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -43,8 +48,14 @@ class RequestResult:
 
 
 async def _one(client, model: str, messages: list[dict], args) -> RequestResult:
-    payload = {"model": model, "messages": messages, "max_tokens": args.max_tokens, "temperature": args.temperature,
-               "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     last = None
     result = RequestResult(ok=False)
@@ -120,11 +131,17 @@ def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "median": 0.0, "p99": 0.0}
     ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
-    return {"mean": statistics.fmean(values) * scale, "median": statistics.median(values) * scale, "p99": p99 * scale}
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return {
+        "mean": statistics.fmean(values) * scale,
+        "median": statistics.median(values) * scale,
+        "p99": p99 * scale,
+    }
 
 
-def _report(args, model: str, results: list[RequestResult], duration: float, before: dict, after: dict) -> dict:
+def _report(
+    args, model: str, results: list[RequestResult], duration: float, before: dict, after: dict
+) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
@@ -152,11 +169,17 @@ def _report(args, model: str, results: list[RequestResult], duration: float, bef
     if drafts > 0:
         draft_tokens = delta.get("dynaspec:spec_decode_num_draft_tokens_total", 0.0)
         accepted = delta.get("dynaspec:spec_decode_num_accepted_tokens_total", 0.0)
-        per_pos = [delta[k] / drafts for k in sorted((k for k in delta if "per_pos" in k), key=lambda k: int(k.split("[")[1][:-1]))]
+        per_pos = [
+            delta[k] / drafts
+            for k in sorted((k for k in delta if "per_pos" in k), key=lambda k: int(k.split("[")[1][:-1]))
+        ]
         report["speculative"] = {
-            "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "drafts": drafts,
+            "draft_tokens": draft_tokens,
+            "accepted_tokens": accepted,
             "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-            "acceptance_length": 1 + accepted / drafts, "acceptance_rate_per_pos": per_pos,
+            "acceptance_length": 1 + accepted / drafts,
+            "acceptance_rate_per_pos": per_pos,
         }
     return report
 
@@ -166,7 +189,7 @@ def format_report(r: dict) -> str:
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="=")]
 
     def row(label: str, value, fmt: str = "{:<10}") -> None:
-        lines.append("{:<40} {}".format(label, fmt.format(value)))
+        lines.append(f"{label:<40} {fmt.format(value)}")
 
     row("Successful requests:", r["successful_requests"])
     row("Failed requests:", r["failed_requests"])
@@ -177,8 +200,12 @@ def format_report(r: dict) -> str:
     row("Request throughput (req/s):", r["request_throughput"], "{:<10.2f}")
     row("Output token throughput (tok/s):", r["output_throughput"], "{:<10.2f}")
     row("Total Token throughput (tok/s):", r["total_token_throughput"], "{:<10.2f}")
-    for title, key, name in (("Time to First Token", "ttft_ms", "TTFT"), ("Time per Output Token (excl. 1st token)", "tpot_ms", "TPOT"),
-                             ("Inter-token Latency", "itl_ms", "ITL"), ("End-to-end Latency", "e2el_ms", "E2EL")):
+    for title, key, name in (
+        ("Time to First Token", "ttft_ms", "TTFT"),
+        ("Time per Output Token (excl. 1st token)", "tpot_ms", "TPOT"),
+        ("Inter-token Latency", "itl_ms", "ITL"),
+        ("End-to-end Latency", "e2el_ms", "E2EL"),
+    ):
         lines.append("{s:{c}^{n}}".format(s=title, n=w, c="-"))
         row(f"Mean {name} (ms):", r[key]["mean"], "{:<10.2f}")
         row(f"Median {name} (ms):", r[key]["median"], "{:<10.2f}")

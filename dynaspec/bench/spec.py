@@ -21,7 +21,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dataset", default="humaneval")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--ks", default="0,1,2,3,4,5,6", help="draft_model K values (K=0: drafter loaded, never run)")
+    p.add_argument(
+        "--ks", default="0,1,2,3,4,5,6", help="draft_model K values (K=0: drafter loaded, never run)"
+    )
     p.add_argument("--ngram-k", type=int, default=4, help="K for the ngram proposer (0: skip)")
     p.add_argument("--draft-quantization", default="int8", help="int8 or none (the drafter only: lossless)")
     p.add_argument("--draft-vocab-size", type=int, default=32768, help="drafter LM head rows kept (0: all)")
@@ -34,8 +36,8 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from dynaspec.datasets import load_prompts
     from dynaspec.engine.engine import Engine, EngineConfig
-    from dynaspec.sampling_params import SamplingParams
     from dynaspec.kpolicy.policy import FixedK
+    from dynaspec.sampling_params import SamplingParams
 
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
     if not ks or min(ks) < 0 or max(ks) < 1:
@@ -58,7 +60,10 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = engines["plain"].tokenizer
     prompt_ids = [tokenizer.apply_chat_template(p) for p in prompts]
 
-    totals = {name: {"tokens": 0, "wall": 0.0, "outputs": [], "accepted": 0, "drafts": 0, "per_pos": []} for name, _, _ in configs}
+    totals = {
+        name: {"tokens": 0, "wall": 0.0, "outputs": [], "accepted": 0, "drafts": 0, "per_pos": []}
+        for name, _, _ in configs
+    }
     for ids in prompt_ids:
         for name, engine_name, k in configs:
             engine = engines[engine_name]
@@ -90,15 +95,44 @@ def run(args: argparse.Namespace) -> int:
         al = 1 + t["accepted"] / t["drafts"] if t["drafts"] else None
         per_pos = [round(a / t["drafts"], 3) for a in t["per_pos"]] if t["drafts"] else []
         same = sum(a == b for a, b in zip(t["outputs"], plain["outputs"]))
-        rows.append([name, t["tokens"], round(t["wall"], 2), speed, speed / plain_speed if plain_speed else None, al,
-                     " ".join(f"{a:.2f}" for a in per_pos) or "-", f"{same}/{len(plain['outputs'])}"])
-        records.append({"config": name, "output_tokens": t["tokens"], "wall_s": round(t["wall"], 3),
-                        "tokens_per_s": round(speed, 3), "speedup_vs_dynaspec_plain": round(speed / plain_speed, 3) if plain_speed else None,
-                        "acceptance_length": None if al is None else round(al, 3), "acceptance_rate_per_pos": per_pos,
-                        "outputs_identical_to_dynaspec_plain": same})
-    print(format_table(["config", "tokens", "wall s", "tok/s", "speedup", "AL", "accept per pos", "same as plain"], rows))
-    write_result(args.result_file, {"benchmark": "spec", "args": {k: v for k, v in vars(args).items() if k != "func"},
-                                    "draft_config": draft_spec, "rows": records})
+        rows.append(
+            [
+                name,
+                t["tokens"],
+                round(t["wall"], 2),
+                speed,
+                speed / plain_speed if plain_speed else None,
+                al,
+                " ".join(f"{a:.2f}" for a in per_pos) or "-",
+                f"{same}/{len(plain['outputs'])}",
+            ]
+        )
+        records.append(
+            {
+                "config": name,
+                "output_tokens": t["tokens"],
+                "wall_s": round(t["wall"], 3),
+                "tokens_per_s": round(speed, 3),
+                "speedup_vs_dynaspec_plain": round(speed / plain_speed, 3) if plain_speed else None,
+                "acceptance_length": None if al is None else round(al, 3),
+                "acceptance_rate_per_pos": per_pos,
+                "outputs_identical_to_dynaspec_plain": same,
+            }
+        )
+    print(
+        format_table(
+            ["config", "tokens", "wall s", "tok/s", "speedup", "AL", "accept per pos", "same as plain"], rows
+        )
+    )
+    write_result(
+        args.result_file,
+        {
+            "benchmark": "spec",
+            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "draft_config": draft_spec,
+            "rows": records,
+        },
+    )
     return 0
 
 
@@ -115,14 +149,22 @@ def _run_transformers(args, prompt_ids, totals) -> None:
         totals[name] = {"tokens": 0, "wall": 0.0, "outputs": [], "accepted": 0, "drafts": 0, "per_pos": []}
     for ids in prompt_ids:
         x = torch.tensor([ids])
-        for name, extra in (("transformers plain", {}), ("transformers assisted", {"assistant_model": draft})):
+        for name, extra in (
+            ("transformers plain", {}),
+            ("transformers assisted", {"assistant_model": draft}),
+        ):
             start = time.perf_counter()
             with torch.inference_mode():
-                out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_tokens,
-                                      do_sample=False, **extra)
+                out = target.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=args.max_tokens,
+                    do_sample=False,
+                    **extra,
+                )
             t = totals[name]
             t["wall"] += time.perf_counter() - start
-            new = out[0, len(ids):].tolist()
+            new = out[0, len(ids) :].tolist()
             t["tokens"] += len(new)
             t["outputs"].append(new)
 

@@ -2,14 +2,14 @@
 at several concurrencies, side by side in one run.
 
 Each concurrency C runs a closed loop: C requests in flight, a new prompt joins as one finishes,
-max(4·C, ``--min-prompts``) prompts in all (small concurrencies finish their 4·C prompts in
-seconds, too short to average out a shared machine's noise). One engine with the drafter serves every speculative configuration (only the
-K policy is swapped, so weights and caches are shared); "none" is a separate engine without a
-drafter. The order of configurations rotates from one concurrency (and round) to the next so slow
-drift of the machine does not favour one of them. ``--rounds R`` (default 2) splits a
-concurrency's prompts into R rounds; each round runs every configuration on its share, in reversed
-order every other round (A B C … C B A), so a machine that slows down or speeds up linearly favours
-no one. A row pools its rounds (tokens / wall time) and keeps each round's rate.
+max(4·C, ``--min-prompts``) prompts in all (small concurrencies finish their 4·C prompts in seconds,
+too short to average out a shared machine's noise). One engine with the drafter serves every
+speculative configuration (only the K policy is swapped, so weights and caches are shared); "none"
+is a separate engine without a drafter. The order of configurations rotates from one concurrency
+(and round) to the next so slow drift of the machine does not favour one of them. ``--rounds R``
+(default 2) splits a concurrency's prompts into R rounds; each round runs every configuration on its
+share, in reversed order every other round (A B C … C B A), so a machine that slows down or speeds
+up linearly favours no one. A row pools its rounds (tokens / wall time) and keeps each round's rate.
 """
 
 from __future__ import annotations
@@ -35,19 +35,33 @@ def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="concurrency sweep: none, fixed K, profiled table, goodput policy")
     add_engine_args(p, model_required=False)  # not needed with --from-json
     p.add_argument("--profile", help="profile JSON from `dynaspec profile` (required unless --from-json)")
-    p.add_argument("--from-json", default=None, metavar="PATH",
-                   help="run nothing: re-compare, print and plot a sweep saved earlier (with --plot)")
+    p.add_argument(
+        "--from-json",
+        default=None,
+        metavar="PATH",
+        help="run nothing: re-compare, print and plot a sweep saved earlier (with --plot)",
+    )
     p.add_argument("--dataset", default="humaneval")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--prompts-per-concurrency", type=int, default=4, help="prompts = this x concurrency ...")
     p.add_argument("--min-prompts", type=int, default=16, help="... but at least this many per concurrency")
     p.add_argument("--fixed-ks", default="1,3,5")
-    p.add_argument("--configs", default=None,
-                   help="run only these configurations, comma-separated (none, K=<k> from --fixed-ks, table, goodput); default all")
-    p.add_argument("--max-tokens", type=int, default=48, help="output cap per request (keeps the sweep short)")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="split each concurrency's prompts into this many rounds; every round runs all configurations, "
-                        "in reversed order every other round (ABBA), so linear drift of the machine cancels")
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="run only these configurations, comma-separated "
+        "(none, K=<k> from --fixed-ks, table, goodput); default all",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=48, help="output cap per request (keeps the sweep short)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="split each concurrency's prompts into this many rounds; every round runs all configurations, "
+        "in reversed order every other round (ABBA), so linear drift of the machine cancels",
+    )
     p.add_argument("--result-file", default="results/sweep.json")
     p.add_argument("--plot", default=None, help="PNG of throughput and TPOT against concurrency")
     p.set_defaults(func=run)
@@ -121,10 +135,10 @@ def run(args: argparse.Namespace) -> int:
     from dynaspec.datasets import load_prompts
     from dynaspec.engine.args import check_at_least, engine_kwargs
     from dynaspec.engine.engine import Engine, EngineConfig
-    from dynaspec.sampling_params import SamplingParams
     from dynaspec.kpolicy.config import SpeculativeConfig
     from dynaspec.kpolicy.policy import FixedK, GoodputK, TableK
     from dynaspec.kpolicy.profile import load_profile
+    from dynaspec.sampling_params import SamplingParams
 
     if args.from_json:
         return report_saved(args.from_json, args.plot)
@@ -134,8 +148,11 @@ def run(args: argparse.Namespace) -> int:
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None:
         raise ValueError("--speculative-config: the sweep needs the drafter's config")
-    check_at_least(("--rounds", args.rounds, 1), ("--prompts-per-concurrency", args.prompts_per_concurrency, 1),
-                   ("--min-prompts", args.min_prompts, 1))
+    check_at_least(
+        ("--rounds", args.rounds, 1),
+        ("--prompts-per-concurrency", args.prompts_per_concurrency, 1),
+        ("--min-prompts", args.min_prompts, 1),
+    )
     profile = load_profile(args.profile)
     concurrencies = _ints(args.concurrency, "--concurrency")
     fixed_ks = _ints(args.fixed_ks, "--fixed-ks")
@@ -156,14 +173,18 @@ def run(args: argparse.Namespace) -> int:
         wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
         unknown = [c for c in wanted if c not in configs]
         if unknown or len(wanted) < 2:
-            raise ValueError(f"--configs: {', '.join(unknown) or 'at least two are needed to compare'} "
-                             f"(choose two or more of {', '.join(configs)})")
+            raise ValueError(
+                f"--configs: {', '.join(unknown) or 'at least two are needed to compare'} "
+                f"(choose two or more of {', '.join(configs)})"
+            )
         configs = [c for c in configs if c in wanted]
     engines = {}  # only the engines the chosen configurations run on
     if "none" in configs:
         engines["none"] = Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None}))
     if any(c != "none" for c in configs):
-        engines["spec"] = Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict}))
+        engines["spec"] = Engine(
+            EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict})
+        )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
 
     for engine in engines.values():  # first-call overheads (allocations, kernel selection) off the clock
@@ -176,12 +197,12 @@ def run(args: argparse.Namespace) -> int:
             count = max(args.prompts_per_concurrency * c, args.min_prompts)
             chosen = [prompts[(cursor + i) % len(prompts)] for i in range(count)]
             cursor += len(chosen)
-            order = configs[ci % len(configs):] + configs[: ci % len(configs)]
+            order = configs[ci % len(configs) :] + configs[: ci % len(configs)]
             for rnd in range(args.rounds):
                 part = chosen[rnd * len(chosen) // args.rounds : (rnd + 1) * len(chosen) // args.rounds]
                 if not part:
                     continue
-                for name in (order if rnd % 2 == 0 else order[::-1]):
+                for name in order if rnd % 2 == 0 else order[::-1]:
                     run = _run_config(engines, policies, name, part, c, params)
                     if (c, name) in pooled:
                         pooled[(c, name)].merge(run)
@@ -189,7 +210,9 @@ def run(args: argparse.Namespace) -> int:
                         pooled[(c, name)] = run
                     bar.update(1)
             results = list(pooled.values())
-            _save(args.result_file, summarize(results, configs, concurrencies[: ci + 1]))  # partial, in case the run is cut
+            _save(
+                args.result_file, summarize(results, configs, concurrencies[: ci + 1])
+            )  # partial, in case the run is cut
     results = list(pooled.values())
     report = summarize(results, configs, concurrencies)
     report["command_args"] = {k: v for k, v in vars(args).items() if k != "func"}
@@ -215,7 +238,11 @@ def report_saved(path: str, plot: str | None) -> int:
         concurrencies = sorted({r["concurrency"] for r in rows})
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"--from-json: {path}: not a saved sweep ({e})") from None
-    complete = [c for c in concurrencies if all(any(r["concurrency"] == c and r["config"] == n for r in rows) for n in configs)]
+    complete = [
+        c
+        for c in concurrencies
+        if all(any(r["concurrency"] == c and r["config"] == n for r in rows) for n in configs)
+    ]
     report = {**saved, **compare([r for r in rows if r["concurrency"] in complete], configs, complete)}
     print(format_report(report))
     if plot:
@@ -224,7 +251,9 @@ def report_saved(path: str, plot: str | None) -> int:
     return 0
 
 
-def _run_config(engines: dict, policies: dict, name: str, prompts: list, concurrency: int, params) -> RunResult:
+def _run_config(
+    engines: dict, policies: dict, name: str, prompts: list, concurrency: int, params
+) -> RunResult:
     engine = engines["none" if name == "none" else "spec"]
     if name != "none":
         engine.set_k_policy(policies[name]())  # fresh: no acceptance or cost history carried over
@@ -233,11 +262,17 @@ def _run_config(engines: dict, policies: dict, name: str, prompts: list, concurr
     drafts, accepted = run.spec.num_drafts, run.spec.num_accepted_tokens
     tokens = sum(len(r.output_token_ids) for r in requests)
     return RunResult(
-        concurrency=concurrency, config=name, output_tokens=tokens, wall_s=wall, tpot_ms=tpot,
+        concurrency=concurrency,
+        config=name,
+        output_tokens=tokens,
+        wall_s=wall,
+        tpot_ms=tpot,
         acceptance_length=(1 + accepted / drafts) if drafts else None,
         token_ids=[r.output_token_ids for r in requests],
         policy=engine.k_policy.snapshot() if name != "none" else None,
-        drafts=drafts, accepted=accepted, rates=[tokens / wall if wall > 0 else 0.0],
+        drafts=drafts,
+        accepted=accepted,
+        rates=[tokens / wall if wall > 0 else 0.0],
     )
 
 
@@ -278,14 +313,20 @@ def compare(rows: list[dict], configs: list[str], concurrencies: list[int]) -> d
             rate = by[(c, best)]["output_tokens_per_s"] if best else 0.0
             row["vs_best_other"] = round(row["output_tokens_per_s"] / rate, 4) if rate else None
             row["best_other"] = best
-            pairs = zip(row.get("tokens_per_s_by_round", []), by[(c, best)].get("tokens_per_s_by_round", []) if best else [])
+            pairs = zip(
+                row.get("tokens_per_s_by_round", []),
+                by[(c, best)].get("tokens_per_s_by_round", []) if best else [],
+            )
             row["vs_best_other_by_round"] = [round(a / b, 4) for a, b in pairs if b]
     totals = {}
     for name in configs:
         walls = [by[(c, name)]["wall_s"] for c in concurrencies]
         geomean = None  # without "none" among the configurations run
         if "none" in configs:
-            speed = [by[(c, name)]["output_tokens_per_s"] / max(1e-9, by[(c, "none")]["output_tokens_per_s"]) for c in concurrencies]
+            speed = [
+                by[(c, name)]["output_tokens_per_s"] / max(1e-9, by[(c, "none")]["output_tokens_per_s"])
+                for c in concurrencies
+            ]
             geomean = round(math.exp(statistics.fmean(math.log(max(s, 1e-9)) for s in speed)), 4)
         totals[name] = {"total_wall_s": round(sum(walls), 2), "geomean_speedup_vs_none": geomean}
     return {"rows": rows, "totals": totals}
@@ -299,14 +340,17 @@ def format_report(report: dict) -> str:
         rounds = r.get("vs_best_other_by_round") or []
         spread = f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else ""
         lines.append(
-            f"{r['concurrency']:>4} {r['config']:<9} {r['output_tokens_per_s']:>8.2f} {r['tpot_mean_ms'] or 0:>10.1f} "
-            f"{r['tpot_median_ms'] or 0:>9.1f} {al:>5} {vs:>8} {spread:>13} {r['wall_s']:>7.1f}"
+            f"{r['concurrency']:>4} {r['config']:<9} {r['output_tokens_per_s']:>8.2f} "
+            f"{r['tpot_mean_ms'] or 0:>10.1f} {r['tpot_median_ms'] or 0:>9.1f} {al:>5} {vs:>8} {spread:>13} "
+            f"{r['wall_s']:>7.1f}"
         )
     lines.append("")
     lines.append(f"{'config':<9} {'total wall s':>12} {'geomean speedup vs none':>24}")
     for name, t in report["totals"].items():
         geomean = t["geomean_speedup_vs_none"]
-        lines.append(f"{name:<9} {t['total_wall_s']:>12.1f} {'n/a' if geomean is None else f'{geomean:.3f}':>24}")
+        lines.append(
+            f"{name:<9} {t['total_wall_s']:>12.1f} {'n/a' if geomean is None else f'{geomean:.3f}':>24}"
+        )
     return "\n".join(lines)
 
 
@@ -328,14 +372,21 @@ def plot_sweep(report: dict, path: str) -> None:
         xs = [r["concurrency"] for r in rows]
         style = dict(linewidth=2.5, color="black") if name == "goodput" else {}
         ys = [r["output_tokens_per_s"] for r in rows]
-        spread = [[y - min(r.get("tokens_per_s_by_round") or [y]) for y, r in zip(ys, rows)],
-                  [max(r.get("tokens_per_s_by_round") or [y]) - y for y, r in zip(ys, rows)]]
+        spread = [
+            [y - min(r.get("tokens_per_s_by_round") or [y]) for y, r in zip(ys, rows)],
+            [max(r.get("tokens_per_s_by_round") or [y]) - y for y, r in zip(ys, rows)],
+        ]
         ax_tp.errorbar(xs, ys, yerr=spread, marker="o", capsize=3, label=name, **style)
-        ax_rel.plot(xs, [y / best[x] if best[x] else 0.0 for x, y in zip(xs, ys)], marker="o", label=name, **style)
+        ax_rel.plot(
+            xs, [y / best[x] if best[x] else 0.0 for x, y in zip(xs, ys)], marker="o", label=name, **style
+        )
         ax_tpot.plot(xs, [r["tpot_median_ms"] for r in rows], marker="o", label=name, **style)
     ax_rel.axhline(0.97, color="grey", linestyle="--", linewidth=1)
-    for ax, label in ((ax_tp, "output tokens/s (bars: rounds)"), (ax_rel, "tokens/s / best at this concurrency"),
-                      (ax_tpot, "TPOT median (ms)")):
+    for ax, label in (
+        (ax_tp, "output tokens/s (bars: rounds)"),
+        (ax_rel, "tokens/s / best at this concurrency"),
+        (ax_tpot, "TPOT median (ms)"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_ylabel(label)

@@ -17,8 +17,10 @@ def add_parser(sub) -> None:
     add_engine_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    src.add_argument("--prompts-file", help="JSONL (prompt or messages field), JSON list, text lines, "
-                     "or a built-in set: mtbench, humaneval")
+    src.add_argument(
+        "--prompts-file",
+        help="JSONL (prompt or messages field), JSON list, text lines, or a built-in set: mtbench, humaneval",
+    )
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -35,8 +37,12 @@ def run(args: argparse.Namespace) -> int:
     from dynaspec.llm import LLM
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.request_seed, stop=args.stop,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.request_seed,
+        stop=args.stop,
     )
     if args.prompt:
         prompts = [[{"role": "user", "content": t}] if args.chat else t for t in args.prompt]
@@ -59,14 +65,27 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.json:
         for i, o in enumerate(outputs):
-            print(json.dumps({"index": i, "text": o.text, "token_ids": o.token_ids, "num_output_tokens": len(o.token_ids),
-                              "num_prompt_tokens": len(o.prompt_token_ids), "finish_reason": o.finish_reason}))
+            print(
+                json.dumps(
+                    {
+                        "index": i,
+                        "text": o.text,
+                        "token_ids": o.token_ids,
+                        "num_output_tokens": len(o.token_ids),
+                        "num_prompt_tokens": len(o.prompt_token_ids),
+                        "finish_reason": o.finish_reason,
+                    }
+                )
+            )
         print(json.dumps({"summary": summary}))
         return 0
     for i, o in enumerate(outputs):
         print(f"--- [{i}] {len(o.token_ids)} tokens, finish: {o.finish_reason}")
         print(o.text)
-    print(f"--- {len(outputs)} prompts, {n_out} tokens in {wall:.2f} s: {summary['output_tokens_per_s']:.2f} tokens/s")
+    print(
+        f"--- {len(outputs)} prompts, {n_out} tokens in {wall:.2f} s: "
+        f"{summary['output_tokens_per_s']:.2f} tokens/s"
+    )
     if "spec" in stats:
         print(format_spec_stats(stats["spec"]))
     return 0
@@ -74,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
 def format_spec_stats(spec: dict) -> str:
     lines = [
-        f"speculation: acceptance length {spec['acceptance_length']:.2f}, acceptance rate {spec['acceptance_rate']:.2f}, "
+        f"speculation: acceptance length {spec['acceptance_length']:.2f}, "
+        f"acceptance rate {spec['acceptance_rate']:.2f}, "
         f"{spec['num_accepted_tokens']}/{spec['num_draft_tokens']} draft tokens accepted",
         "acceptance per position: " + " ".join(f"{a:.2f}" for a in spec["acceptance_rate_per_pos"]),
         "steps at each K by decode batch size (K adapting to load):",

@@ -25,8 +25,15 @@ def _size(num_bytes: int) -> str:
 def _list() -> int:
     rows = [("NAME", "WHAT", "SIZE", "CACHED", "PATH")]
     for status in packs.list_packs():
-        rows.append((status.name, status.description, _size(status.size_bytes),
-                     "yes" if status.cached else "no", str(status.path) if status.cached else "-"))
+        rows.append(
+            (
+                status.name,
+                status.description,
+                _size(status.size_bytes),
+                "yes" if status.cached else "no",
+                str(status.path) if status.cached else "-",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])

@@ -13,14 +13,24 @@ def add_parser(sub) -> None:
     add_engine_args(p)
     p.add_argument("--dataset", default="mtbench", help="mtbench, humaneval, or a prompt file")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes to time")
-    p.add_argument("--max-k", type=int, default=None, help="largest K to profile (default: num_speculative_tokens)")
+    p.add_argument(
+        "--max-k", type=int, default=None, help="largest K to profile (default: num_speculative_tokens)"
+    )
     p.add_argument("--num-prompts", type=int, default=16, help="prompts used to measure acceptance")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens generated per acceptance prompt")
-    p.add_argument("--warmup-steps", type=int, default=1, help="untimed steps at each visit of a (bs, K) cell")
-    p.add_argument("--measured-steps", type=int, default=2, help="steps timed at each visit of a (bs, K) cell")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="visits of every (bs, K) cell, K interleaved so machine drift lands on every K alike; "
-                        "the median over all visits is kept")
+    p.add_argument(
+        "--warmup-steps", type=int, default=1, help="untimed steps at each visit of a (bs, K) cell"
+    )
+    p.add_argument(
+        "--measured-steps", type=int, default=2, help="steps timed at each visit of a (bs, K) cell"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="visits of every (bs, K) cell, K interleaved so machine drift lands on every K alike; "
+        "the median over all visits is kept",
+    )
     p.add_argument("--output", required=True, help="profile JSON to write")
     p.add_argument("--plot", default=None, help="PNG of goodput per K against batch size")
     p.set_defaults(func=run)
@@ -37,11 +47,11 @@ def _batch_sizes(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dynaspec.bench.profiler import ProfileSettings, run_profile
     from dynaspec.datasets import load_prompts
     from dynaspec.engine.engine import Engine, EngineConfig
     from dynaspec.kpolicy.config import SpeculativeConfig
     from dynaspec.kpolicy.profile import save_profile
-    from dynaspec.bench.profiler import ProfileSettings, run_profile
 
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None:
@@ -50,25 +60,36 @@ def run(args: argparse.Namespace) -> int:
     max_k = args.max_k if args.max_k is not None else spec.num_speculative_tokens
     if not max_k or max_k < 1:
         raise ValueError("--max-k: must be >= 1")
-    check_at_least(("--rounds", args.rounds, 1), ("--measured-steps", args.measured_steps, 1),
-                   ("--warmup-steps", args.warmup_steps, 0))
+    check_at_least(
+        ("--rounds", args.rounds, 1),
+        ("--measured-steps", args.measured_steps, 1),
+        ("--warmup-steps", args.warmup_steps, 0),
+    )
     prompts = load_prompts(args.dataset, chat=True)
     kwargs = engine_kwargs(args)
     kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], sizes[-1], args.num_prompts)
     kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], sizes[-1] * (max_k + 1))
     engine = Engine(EngineConfig(model=args.model, **kwargs))
     settings = ProfileSettings(
-        batch_sizes=sizes, max_k=max_k, num_acceptance_prompts=args.num_prompts,
-        acceptance_max_tokens=args.max_tokens, warmup_steps=args.warmup_steps, measured_steps=args.measured_steps,
+        batch_sizes=sizes,
+        max_k=max_k,
+        num_acceptance_prompts=args.num_prompts,
+        acceptance_max_tokens=args.max_tokens,
+        warmup_steps=args.warmup_steps,
+        measured_steps=args.measured_steps,
         rounds=args.rounds,
     )
-    meta = {"model": args.model, "speculative_config": json.loads(json.dumps(spec.to_dict())),
-            "dataset": args.dataset, "dtype": str(engine.config.torch_dtype).replace("torch.", "")}
+    meta = {
+        "model": args.model,
+        "speculative_config": json.loads(json.dumps(spec.to_dict())),
+        "dataset": args.dataset,
+        "dtype": str(engine.config.torch_dtype).replace("torch.", ""),
+    }
     profile = run_profile(engine, prompts, settings, meta)
     save_profile(profile, args.output)
     print(f"profile written to {args.output}")
     print("acceptance per position: " + " ".join(f"{a:.2f}" for a in profile.acceptance_rate_per_pos))
-    print("ITL ms by batch size (columns K = 0..%d):" % max_k)
+    print(f"ITL ms by batch size (columns K = 0..{max_k}):")
     for bs, row in profile.batch_stats.items():
         print(f"  bs {bs:>3}: " + " ".join(f"{row[k]:8.1f}" for k in sorted(row)))
     print("num_speculative_tokens_per_batch_size:", json.dumps(profile.num_speculative_tokens_per_batch_size))
@@ -95,7 +116,9 @@ def plot_goodput(profile, path: str) -> None:
     fig, (ax, ax_k) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, height_ratios=[3, 1])
     for k in range(profile.max_num_speculative_tokens + 1):
         al = acceptance_length(alpha, k)
-        measured = [(bs, al / profile.batch_stats[bs][k] * 1000) for bs in sizes if profile.batch_stats[bs].get(k)]
+        measured = [
+            (bs, al / profile.batch_stats[bs][k] * 1000) for bs in sizes if profile.batch_stats[bs].get(k)
+        ]
         fitted = [(bs, al / smooth[bs][k] * 1000) for bs in sizes if smooth[bs].get(k)]
         line = ax.plot(*zip(*fitted), label=f"K={k} (AL {al:.2f})")[0] if fitted else None
         if measured:
@@ -103,7 +126,9 @@ def plot_goodput(profile, path: str) -> None:
     best = [best_k(alpha, smooth, bs, profile.max_num_speculative_tokens) for bs in sizes]
     ax.set_xscale("log", base=2)
     ax.set_ylabel("goodput per request (tokens/s)")
-    ax.set_title(f"goodput = AL(K) / ITL(bs, K): {profile.meta.get('model', '')}\n(dots: measured, lines: smoothed)")
+    ax.set_title(
+        f"goodput = AL(K) / ITL(bs, K): {profile.meta.get('model', '')}\n(dots: measured, lines: smoothed)"
+    )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     ax_k.step(sizes, best, where="mid", color="black")

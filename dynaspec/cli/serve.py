@@ -32,7 +32,10 @@ def run(args: argparse.Namespace) -> int:
 
     app, loop = build_server(args)
     loop.start()
-    print(f"dynaspec serving {args.served_model_name or args.model} on http://{args.host}:{args.port}", flush=True)
+    print(
+        f"dynaspec serving {args.served_model_name or args.model} on http://{args.host}:{args.port}",
+        flush=True,
+    )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:

@@ -7,10 +7,16 @@ import argparse
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=model_required,
-                   help="pack name (see `dynaspec models list`), HF directory or .gguf file")
-    g.add_argument("--speculative-config", default=None,
-                   help="JSON, or @path/to/file.json: method, model, num_speculative_tokens, ...")
+    g.add_argument(
+        "--model",
+        required=model_required,
+        help="pack name (see `dynaspec models list`), HF directory or .gguf file",
+    )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help="JSON, or @path/to/file.json: method, model, num_speculative_tokens, ...",
+    )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--max-num-seqs", type=int, default=32, help="cap on running requests")

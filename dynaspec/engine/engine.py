@@ -7,8 +7,8 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -56,7 +56,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
             raise ValueError(f"max_model_len: must be an integer >= 2, got {self.max_model_len!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb!r}")
@@ -204,7 +206,9 @@ class Engine:
         self.proposer.release(plan.released)  # forget finished and preempted requests
         if plan.is_empty:
             return []
-        sampling = SamplingTensors.build([r.params for r in plan.sampled], [r.generator for r in plan.sampled], self.device)
+        sampling = SamplingTensors.build(
+            [r.params for r in plan.sampled], [r.generator for r in plan.sampled], self.device
+        )
         drafts = self.proposer.propose(plan, sampling)  # up to k_caps[i] draft tokens per decode
         start = time.perf_counter()
         logits = self.runner.forward(plan, drafts)  # one target pass: last tokens + drafts + prefills

@@ -31,7 +31,9 @@ class ModelRunner:
         self.device = device
         self.kv_caches = allocate_kv_cache(model.config, num_slots, dtype, device)
 
-    def forward(self, plan: SchedulePlan, drafts: Drafts) -> torch.Tensor:  # [len(plan.sampled), k + 1, vocab]
+    def forward(
+        self, plan: SchedulePlan, drafts: Drafts
+    ) -> torch.Tensor:  # [len(plan.sampled), k + 1, vocab]
         """The target's pass for a step: each decode's last token and drafts, then the prefill chunks.
 
         Row i of the result holds the logits of ``plan.sampled[i]``: a decode's last token and

@@ -18,7 +18,9 @@ class SamplingTensors:
     all_greedy: bool
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: list[torch.Generator], device: torch.device) -> SamplingTensors:
+    def build(
+        cls, params: list[SamplingParams], generators: list[torch.Generator], device: torch.device
+    ) -> SamplingTensors:
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),

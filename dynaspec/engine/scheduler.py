@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 from dynaspec.engine.kv_cache import BlockAllocator
 from dynaspec.engine.request import FinishReason, Request, RequestOutput, RequestStatus

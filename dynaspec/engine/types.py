@@ -8,8 +8,9 @@ imports torch at run time, so the K-choice package (plain Python) can use these 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +100,9 @@ class StepTiming:
     draft_passes: list[DraftPass] = field(default_factory=list)
 
     @classmethod
-    def of(cls, plan: SchedulePlan, result: StepResult, target_ms: float, draft_passes: list[DraftPass]) -> StepTiming:
+    def of(
+        cls, plan: SchedulePlan, result: StepResult, target_ms: float, draft_passes: list[DraftPass]
+    ) -> StepTiming:
         return cls(
             verify_tokens=plan.num_decodes + sum(result.draft_lens),
             prefill_tokens=sum(c.num_tokens for c in plan.prefills),
@@ -125,7 +128,9 @@ class DraftCandidate:
     tokens_left: int  # tokens the request may still generate
     prompt_tokens: int = 0  # its prompt: about what the request taking over its slot will cost to catch up on
     max_tokens: int = 1  # its whole output budget, over which that catch-up is repaid
-    decoding: bool = True  # False while its prompt is being prefilled (or it waits): it counts, cannot draft yet
+    decoding: bool = (
+        True  # False while its prompt is being prefilled (or it waits): it counts, cannot draft yet
+    )
 
     def catchup_per_token(self) -> float:
         """Catch-up tokens drafting in this slot costs per generated token: the larger of what the

@@ -24,17 +24,23 @@ class SpeculativeConfig:
     method: Literal["draft_model", "ngram"]
     model: str | None = None  # draft_model: a pack name, HF directory or .gguf file
     num_speculative_tokens: int | None = Field(default=None, ge=1, le=32)  # the maximum K
-    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None  # [lo, hi, K] ranges
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = (
+        None  # [lo, hi, K] ranges
+    )
     prompt_lookup_min: int = Field(default=2, ge=1)
     prompt_lookup_max: int = Field(default=4, ge=1)
     dynamic_config_path: str | None = None  # a profile: K chosen by goodput
     hysteresis_steps: int = Field(default=3, ge=1)
     draft_quantization: Literal["int8"] | None = None  # weight-only int8 drafter (drafts only: lossless)
-    draft_vocab_size: int | None = Field(default=None, ge=1)  # keep only the first N rows of the drafter's head
+    draft_vocab_size: int | None = Field(
+        default=None, ge=1
+    )  # keep only the first N rows of the drafter's head
 
     @field_validator(TABLE)
     @classmethod
-    def _table(cls, table: tuple[tuple[int, int, int], ...] | None) -> tuple[tuple[int, int, int], ...] | None:
+    def _table(
+        cls, table: tuple[tuple[int, int, int], ...] | None
+    ) -> tuple[tuple[int, int, int], ...] | None:
         if table is not None:
             _check_table(table)
         return table
@@ -42,7 +48,9 @@ class SpeculativeConfig:
     @model_validator(mode="after")
     def _rules(self) -> SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
-            raise ValueError("model: required for method draft_model: a pack name, HF directory or .gguf file")
+            raise ValueError(
+                "model: required for method draft_model: a pack name, HF directory or .gguf file"
+            )
         if self.method != "draft_model":
             for name in ("model", "draft_quantization", "draft_vocab_size"):
                 if getattr(self, name) is not None:

@@ -23,7 +23,7 @@ The goodput policy uses this two ways: the profile's ITL(bs, K) is multiplied by
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -46,7 +46,9 @@ class LiveScale:
         self.num_observations = 0
 
     def observe(self, observed_ms: float, predicted_ms: float) -> None:
-        ok = all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (observed_ms, predicted_ms))
+        ok = all(
+            isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (observed_ms, predicted_ms)
+        )
         if not ok:
             return
         ratio = min(MAX_DRIFT, max(1.0 / MAX_DRIFT, observed_ms / predicted_ms))
@@ -63,14 +65,22 @@ class LiveScale:
 class StepCostModel:
     """The profile's pass-cost model, rescaled live; predicts pure-decode ITL(bs, K) and catch-up cost."""
 
-    def __init__(self, target_prior: Sequence[float], draft_prior: Sequence[float], prior_weight: float = 8.0, decay: float = 0.98) -> None:
+    def __init__(
+        self,
+        target_prior: Sequence[float],
+        draft_prior: Sequence[float],
+        prior_weight: float = 8.0,
+        decay: float = 0.98,
+    ) -> None:
         self.target_coef = np.asarray(target_prior, dtype=np.float64)
         self.draft_coef = np.asarray(draft_prior, dtype=np.float64)
         self.target_scale = LiveScale(prior_weight, decay)
         self.draft_scale = LiveScale(prior_weight, decay)
 
     def observe(self, timing: StepTiming) -> None:
-        self.target_scale.observe(timing.target_ms, _predict(self.target_coef, (1.0, timing.verify_tokens, timing.prefill_tokens)))
+        self.target_scale.observe(
+            timing.target_ms, _predict(self.target_coef, (1.0, timing.verify_tokens, timing.prefill_tokens))
+        )
         for rows, extra, ms in timing.draft_passes:
             self.draft_scale.observe(ms, _predict(self.draft_coef, (1.0, rows, extra)))
 
@@ -103,7 +113,10 @@ class StepCostModel:
             "target_ms": dict(zip(TARGET_FEATURES, (round(float(c), 4) for c in self.target_coef))),
             "draft_pass_ms": dict(zip(DRAFT_FEATURES, (round(float(c), 4) for c in self.draft_coef))),
             "live_scale": {"target": round(target_scale, 4), "draft": round(draft_scale, 4)},
-            "observations": {"target": self.target_scale.num_observations, "draft_passes": self.draft_scale.num_observations},
+            "observations": {
+                "target": self.target_scale.num_observations,
+                "draft_passes": self.draft_scale.num_observations,
+            },
         }
 
 
@@ -128,7 +141,9 @@ def fit_timings(timings: Sequence[StepTiming]) -> dict[str, list[float]]:
     passes = [p for t in timings for p in t.draft_passes if p[2] > 0]
     return {
         "target_ms": fit_linear(tx, ty),
-        "draft_pass_ms": fit_linear([(1.0, r, e) for r, e, _ in passes], [ms for _, _, ms in passes]) if passes else [0.0, 0.0, 0.0],
+        "draft_pass_ms": fit_linear([(1.0, r, e) for r, e, _ in passes], [ms for _, _, ms in passes])
+        if passes
+        else [0.0, 0.0, 0.0],
     }
 
 

@@ -13,7 +13,7 @@ Every division is guarded: empty or zero data never crashes a policy.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from dynaspec.engine.types import DraftCandidate, KPolicy, StepRecord
 from dynaspec.kpolicy.config import SpeculativeConfig, table_lookup
@@ -94,7 +94,11 @@ class TableK(_SameKForAll):
         return k
 
     def snapshot(self) -> dict:
-        return {"policy": "table", "k": self.hysteresis.current, "k_by_batch_size": dict(sorted(self.k_by_batch_size.items()))}
+        return {
+            "policy": "table",
+            "k": self.hysteresis.current,
+            "k_by_batch_size": dict(sorted(self.k_by_batch_size.items())),
+        }
 
 
 class AcceptanceEstimate:
@@ -108,7 +112,9 @@ class AcceptanceEstimate:
     non-increasing in i (accepting i needs 1..i-1 accepted).
     """
 
-    def __init__(self, prior: Sequence[float], max_k: int, decay: float = 0.98, prior_weight: float = 16.0) -> None:
+    def __init__(
+        self, prior: Sequence[float], max_k: int, decay: float = 0.98, prior_weight: float = 16.0
+    ) -> None:
         self.prior = [float(prior[i]) if i < len(prior) else 0.0 for i in range(max_k)]
         self.decay = decay
         self.prior_weight = prior_weight
@@ -167,14 +173,18 @@ class GoodputK:
         **estimate_kwargs,
     ) -> None:
         self.profile = profile
-        self.itl_grid = smooth_itl(profile.batch_stats)  # the profiled ITL(bs, K), measurement noise taken out
+        self.itl_grid = smooth_itl(
+            profile.batch_stats
+        )  # the profiled ITL(bs, K), measurement noise taken out
         self.max_k = max(0, min(max_k, profile.max_num_speculative_tokens))
         self.acceptance = AcceptanceEstimate(profile.acceptance_rate_per_pos, self.max_k, **estimate_kwargs)
         self.hysteresis = Hysteresis(hysteresis_steps)
         self.k_by_batch_size: dict[int, int] = {}
         if cost_model is None:
             if profile.cost_model is not None:
-                cost_model = StepCostModel(profile.cost_model["target_ms"], profile.cost_model["draft_pass_ms"])
+                cost_model = StepCostModel(
+                    profile.cost_model["target_ms"], profile.cost_model["draft_pass_ms"]
+                )
             else:
                 cost_model = StepCostModel(*prior_from_grid(profile.batch_stats))
         self.costs = cost_model
@@ -206,7 +216,11 @@ class GoodputK:
         scores = self._scores(bs, alpha, prefix)  # {(k, n): goodput}
         wanted = max(scores, key=lambda kn: (scores[kn], -kn[0], kn[1]))[0] if scores else 0
         k = self.hysteresis.update(wanted)
-        n = max((kn for kn in scores if kn[0] == k), key=lambda kn: (scores[kn], kn[1]), default=(k, 0))[1] if k else 0
+        n = (
+            max((kn for kn in scores if kn[0] == k), key=lambda kn: (scores[kn], kn[1]), default=(k, 0))[1]
+            if k
+            else 0
+        )
         drafts = [0] * bs
         for i in order[:n]:
             drafts[i] = k if candidates[i].decoding else 0
@@ -262,5 +276,9 @@ def make_policy(config: SpeculativeConfig, profile: Profile | None = None) -> KP
         max_k = config.num_speculative_tokens or profile.max_num_speculative_tokens
         return GoodputK(profile, max_k, config.hysteresis_steps)
     if config.num_speculative_tokens_per_batch_size is not None:
-        return TableK(config.num_speculative_tokens_per_batch_size, config.num_speculative_tokens, config.hysteresis_steps)
+        return TableK(
+            config.num_speculative_tokens_per_batch_size,
+            config.num_speculative_tokens,
+            config.hysteresis_steps,
+        )
     return FixedK(config.num_speculative_tokens)

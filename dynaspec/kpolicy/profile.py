@@ -16,11 +16,13 @@ d + e*rows + f*catch-up tokens.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, field
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
@@ -32,7 +34,9 @@ COST_MODEL_KEYS = ("target_ms", "draft_pass_ms")
 class Profile:
     max_num_speculative_tokens: Annotated[int, Field(ge=0, strict=True)]
     acceptance_rate_per_pos: list[Annotated[float, Field(ge=0, le=1)]]  # [max K] unconditional α_i
-    batch_stats: dict[Annotated[int, Field(ge=1)], dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=0)]]]
+    batch_stats: dict[
+        Annotated[int, Field(ge=1)], dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=0)]]
+    ]
     num_speculative_tokens_per_batch_size: list[list[int]] = field(default_factory=list)
     cost_model: dict[str, list[float]] | None = None  # {"target_ms": [a, b, c], "draft_pass_ms": [d, e, f]}
     meta: dict[str, Any] = field(default_factory=dict)
@@ -52,7 +56,8 @@ class Profile:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["batch_stats"] = {
-            str(bs): {str(k): t for k, t in sorted(row.items())} for bs, row in sorted(self.batch_stats.items())
+            str(bs): {str(k): t for k, t in sorted(row.items())}
+            for bs, row in sorted(self.batch_stats.items())
         }
         if d["cost_model"] is None:
             del d["cost_model"]
@@ -97,7 +102,7 @@ def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k
         return points[0][1]
     if batch_size >= points[-1][0]:
         return points[-1][1]
-    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+    for (b0, t0), (b1, t1) in itertools.pairwise(points):
         if b0 <= batch_size <= b1:
             return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
     return points[-1][1]
@@ -162,7 +167,7 @@ def _isotonic(values: list[float]) -> list[float]:
 
 
 def best_k(alpha: list[float], batch_stats: dict[int, dict[int, float]], batch_size: int, max_k: int) -> int:
-    """argmax_K AL(K) / ITL(bs, K) over the profiled grid; ties go to the smaller K; 0 when nothing is known."""
+    """argmax_K AL(K) / ITL(bs, K) over the profiled grid; ties go to the smaller K; 0 when nothing known."""
     return argmax_goodput(alpha, lambda k: interpolate_itl(batch_stats, batch_size, k), max_k)
 
 

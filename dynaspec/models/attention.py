@@ -101,7 +101,9 @@ def build_attention_metadata(
     )
 
 
-def _slots(block_table: list[int], block_size: int, end: int) -> np.ndarray:  # [end] cache slot of positions 0..end-1
+def _slots(
+    block_table: list[int], block_size: int, end: int
+) -> np.ndarray:  # [end] cache slot of positions 0..end-1
     pos = np.arange(end)
     return np.asarray(block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
 

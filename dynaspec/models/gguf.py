@@ -55,7 +55,12 @@ _BLOCK_TENSOR_NAMES = {
 }
 
 # Metadata arrays too long to be worth reading into Python lists (the tokenizer reads them itself).
-_LARGE_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+_LARGE_ARRAYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+)
 
 # Largest safetensors shard written, in bytes: bounds the memory held while a shard is serialized.
 SHARD_BYTES = 2 * 1024**3
@@ -126,7 +131,9 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:  # float32, [rows, cols] or [n
     return data if data.flags.writeable else data.copy()
 
 
-def hf_config_from_gguf(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def hf_config_from_gguf(
+    metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]
+) -> dict[str, Any]:
     """A Hugging Face config.json dictionary from GGUF metadata and the file's tensor shapes."""
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -177,7 +184,11 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_shapes: dict[str, tuple
         config["bos_token_id"] = int(metadata["tokenizer.ggml.bos_token_id"])
     eos_ids = [
         int(metadata[key])
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        for key in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        )
         if key in metadata
     ]
     eos_ids = list(dict.fromkeys(eos_ids))
@@ -221,7 +232,9 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:  # transformers raises many types for tokenizers it cannot rebuild
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{gguf_path}: cannot build the tokenizer from GGUF metadata: {first_line}") from None
+        raise ValueError(
+            f"{gguf_path}: cannot build the tokenizer from GGUF metadata: {first_line}"
+        ) from None
     tokenizer.save_pretrained(str(out_dir))
 
 
@@ -264,7 +277,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         tensors = {t.name: t for t in reader.tensors}
         shards = _plan_shards([(t.name, 4 * int(t.n_elements)) for t in reader.tensors])
         weight_map: dict[str, str] = {}
-        bar = tqdm(total=len(reader.tensors), desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress)
+        bar = tqdm(
+            total=len(reader.tensors),
+            desc=f"converting {gguf_path.name}",
+            unit="tensor",
+            disable=not progress,
+        )
         for index, shard in enumerate(shards):
             file_name = _shard_file_name(index, len(shards))
             state: dict[str, torch.Tensor] = {}
@@ -281,8 +299,10 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
             del state
         bar.close()
         if len(shards) > 1:
-            index_json = {"metadata": {"total_size": sum(4 * int(t.n_elements) for t in reader.tensors)},
-                          "weight_map": dict(sorted(weight_map.items()))}
+            index_json = {
+                "metadata": {"total_size": sum(4 * int(t.n_elements) for t in reader.tensors)},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
             (tmp_dir / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
         (tmp_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}

@@ -61,7 +61,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim / 2]
 
     def forward(
-        self, positions: torch.Tensor  # [num_tokens]
+        self,
+        positions: torch.Tensor,  # [num_tokens]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_tokens, 1, head_dim]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
@@ -234,7 +235,9 @@ class LlamaModel(nn.Module):
                 src = weights[name]
                 dst = params[name]
                 if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(f"tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+                    raise ValueError(
+                        f"tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+                    )
                 dst.copy_(src)
 
 

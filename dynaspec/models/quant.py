@@ -10,7 +10,6 @@ verification decides what is emitted.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # rows above which the dense bf16 matmul beats the packed int8 kernel (measured on a 2-core AVX-512 CPU)
@@ -22,7 +21,9 @@ class Int8Linear(nn.Module):
         super().__init__()
         w = linear.weight.detach()
         scales = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
-        self.register_buffer("weight_int8", (w.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer(
+            "weight_int8", (w.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+        )
         self.register_buffer("scales", scales.to(w.dtype))
         self.dense = linear  # shares the original parameters (tied heads stay tied)
 

@@ -45,9 +45,9 @@ class Tokenizer:
         template = self.chat_template or ""
         for token in END_OF_TURN_TOKENS:
             token_id = hf_tokenizer.convert_tokens_to_ids(token)
-            if token in template and isinstance(token_id, int) and token_id != hf_tokenizer.unk_token_id:
-                if token_id not in ids:
-                    ids.append(token_id)
+            known = isinstance(token_id, int) and token_id != hf_tokenizer.unk_token_id
+            if token in template and known and token_id not in ids:
+                ids.append(token_id)
         self._eos_token_ids = ids
 
     @classmethod

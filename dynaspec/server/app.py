@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from collections.abc import AsyncIterator
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,8 +25,14 @@ from dynaspec.server.engine_loop import EngineLoop
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -79,8 +86,18 @@ class ChatRequest(_Common):
 
 # fields the engine does not implement: refused unless left at their neutral value
 _UNSUPPORTED = {
-    "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "logprobs": None, "echo": False,
-    "best_of": None, "suffix": None, "top_logprobs": None, "tools": None, "tool_choice": None, "response_format": None,
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "logprobs": None,
+    "echo": False,
+    "best_of": None,
+    "suffix": None,
+    "top_logprobs": None,
+    "tools": None,
+    "tool_choice": None,
+    "response_format": None,
 }
 
 
@@ -100,7 +117,9 @@ def build_app(engine_loop: EngineLoop, served_model_name: str) -> FastAPI:
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         param = ".".join(loc) or None
         if first.get("type") == "json_invalid":
-            return _error(400, f"request body is not valid JSON: {first.get('msg', '')}", None, "invalid_json")
+            return _error(
+                400, f"request body is not valid JSON: {first.get('msg', '')}", None, "invalid_json"
+            )
         if first.get("type") == "extra_forbidden":
             return _error(400, f"unsupported parameter: {param}", param, "unsupported_parameter")
         return _error(400, f"{param}: {first.get('msg', 'invalid value')}", param, "invalid_value")
@@ -115,8 +134,18 @@ def build_app(engine_loop: EngineLoop, served_model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0, "owned_by": "dynaspec",
-                                            "max_model_len": max_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "dynaspec",
+                    "max_model_len": max_len,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -127,11 +156,15 @@ def build_app(engine_loop: EngineLoop, served_model_name: str) -> FastAPI:
         prompt: str | list[int] = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
-                raise APIError(400, "prompt: batches of prompts are not supported; send one per request", "prompt")
+                raise APIError(
+                    400, "prompt: batches of prompts are not supported; send one per request", "prompt"
+                )
             prompt = prompt[0]
         if not prompt:
             raise APIError(400, "prompt: must not be empty", "prompt")
-        return await _serve(body, prompt, body.max_tokens if body.max_tokens is not None else 16, http, chat=False)
+        return await _serve(
+            body, prompt, body.max_tokens if body.max_tokens is not None else 16, http, chat=False
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: Request):
@@ -141,8 +174,13 @@ def build_app(engine_loop: EngineLoop, served_model_name: str) -> FastAPI:
 
     async def _serve(body: _Common, prompt, max_tokens: int | None, http: Request, chat: bool):
         if body.model != served_model_name:
-            raise APIError(404, f"model '{body.model}' does not exist; this server serves '{served_model_name}'", "model",
-                           "model_not_found", "not_found_error")
+            raise APIError(
+                404,
+                f"model '{body.model}' does not exist; this server serves '{served_model_name}'",
+                "model",
+                "model_not_found",
+                "not_found_error",
+            )
         for name, neutral in _UNSUPPORTED.items():
             value = getattr(body, name, neutral)
             if name in body.model_fields_set and value != neutral and value not in (None, False, {}, []):
@@ -150,12 +188,18 @@ def build_app(engine_loop: EngineLoop, served_model_name: str) -> FastAPI:
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens: must be >= 1, got {max_tokens}", "max_tokens")
         if max_tokens is not None and max_tokens >= max_len:
-            raise APIError(400, f"max_tokens: {max_tokens} exceeds the model's context of {max_len} tokens", "max_tokens")
+            raise APIError(
+                400, f"max_tokens: {max_tokens} exceeds the model's context of {max_len} tokens", "max_tokens"
+            )
         try:
             params = SamplingParams(
-                max_tokens=max_tokens if max_tokens is not None else max_len, temperature=body.temperature,
-                top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []), ignore_eos=body.ignore_eos,
+                max_tokens=max_tokens if max_tokens is not None else max_len,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=body.seed,
+                stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+                ignore_eos=body.ignore_eos,
             )
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
@@ -180,8 +224,9 @@ def build_app(engine_loop: EngineLoop, served_model_name: str) -> FastAPI:
             raise
         return _full_response(out, request_id, chat)
 
-    async def _stream(queue, request_id: str, params: SamplingParams, chat: bool, include_usage: bool,
-                      http: Request) -> AsyncIterator[str]:
+    async def _stream(
+        queue, request_id: str, params: SamplingParams, chat: bool, include_usage: bool, http: Request
+    ) -> AsyncIterator[str]:
         created = int(time.time())
         sent = 0
         finished = False
@@ -216,8 +261,12 @@ def build_app(engine_loop: EngineLoop, served_model_name: str) -> FastAPI:
         else:
             choice["text"] = out.text
         return {
-            "id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": served_model_name, "choices": [choice], "usage": _usage(out),
+            "id": request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": served_model_name,
+            "choices": [choice],
+            "usage": _usage(out),
         }
 
     def _chunk(request_id: str, created: int, chat: bool, delta: str | dict, reason: str | None) -> dict:
@@ -226,19 +275,34 @@ def build_app(engine_loop: EngineLoop, served_model_name: str) -> FastAPI:
             choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
-        return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": served_model_name, "choices": [choice]}
+        return {
+            "id": request_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": served_model_name,
+            "choices": [choice],
+        }
 
     def _usage_chunk(request_id: str, created: int, chat: bool, out: RequestOutput) -> dict:
-        return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": served_model_name, "choices": [], "usage": _usage(out)}
+        return {
+            "id": request_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": served_model_name,
+            "choices": [],
+            "usage": _usage(out),
+        }
 
     return app
 
 
 def _usage(out: RequestOutput) -> dict:
     n = len(out.output_token_ids)
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": n, "total_tokens": out.num_prompt_tokens + n}
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": n,
+        "total_tokens": out.num_prompt_tokens + n,
+    }
 
 
 def _text(content: str | list[dict[str, Any]]) -> str:
@@ -256,5 +320,10 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _error(status: int, message: str, param: str | None, code: str | None, kind: str = "invalid_request_error"):
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+def _error(
+    status: int, message: str, param: str | None, code: str | None, kind: str = "invalid_request_error"
+):
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": kind, "param": param, "code": code}},
+    )

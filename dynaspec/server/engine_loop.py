@@ -130,14 +130,25 @@ class EngineLoop:
         outputs = []
         for r in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
             self.engine.abort(r.request_id)
-            outputs.append(RequestOutput(r.request_id, [], True, r.finish_reason, list(r.output_token_ids),
-                                         r.output_text, len(r.prompt_token_ids)))
+            outputs.append(
+                RequestOutput(
+                    r.request_id,
+                    [],
+                    True,
+                    r.finish_reason,
+                    list(r.output_token_ids),
+                    r.output_text,
+                    len(r.prompt_token_ids),
+                )
+            )
         return outputs
 
     def _refresh(self) -> None:
         s = self.engine.scheduler
         self.snapshot = Snapshot(
-            running=len(s.running), waiting=len(s.waiting), kv_cache_usage=self.engine.allocator.usage,
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_cache_usage=self.engine.allocator.usage,
             stats=self.engine.stats(),
         )
 

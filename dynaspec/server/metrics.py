@@ -7,7 +7,7 @@ the engine loop's latest snapshot when /metrics is scraped.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,13 +22,26 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("dynaspec:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("dynaspec:time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("dynaspec:e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "dynaspec:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "dynaspec:time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "dynaspec:e2e_request_latency_seconds",
+            "End-to-end request latency",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("dynaspec:prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("dynaspec:generation_tokens", "Tokens generated", registry=r)
-        self.success = Counter("dynaspec:request_success", "Requests finished", ["finished_reason"], registry=r)
+        self.success = Counter(
+            "dynaspec:request_success", "Requests finished", ["finished_reason"], registry=r
+        )
 
     def attach(self, snapshot: Callable[[], object]) -> None:
         """Read engine state from ``snapshot()`` at scrape time."""
@@ -77,23 +90,33 @@ class _EngineCollector:
             c = CounterMetricFamily(f"dynaspec:spec_decode_{name}", doc)
             c.add_metric([], spec[key])
             yield c
-        per_pos = CounterMetricFamily("dynaspec:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position",
-                                      labels=["position"])
+        per_pos = CounterMetricFamily(
+            "dynaspec:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafts by position",
+            labels=["position"],
+        )
         for i, n in enumerate(spec["accepted_per_pos"]):
             per_pos.add_metric([str(i)], n)
         yield per_pos
-        k = GaugeMetricFamily("dynaspec:spec_decode_k", "K last chosen at each decode batch size", labels=["batch_size"])
+        k = GaugeMetricFamily(
+            "dynaspec:spec_decode_k", "K last chosen at each decode batch size", labels=["batch_size"]
+        )
         for bs, value in spec.get("policy", {}).get("k_by_batch_size", {}).items():
             k.add_metric([str(bs)], value)
         yield k
         policy = spec.get("policy", {})
         if "requests_withheld" in policy:
-            withheld = CounterMetricFamily("dynaspec:spec_decode_requests_withheld",
-                                           "Request-steps kept from drafting because drafter catch-up would not pay")
+            withheld = CounterMetricFamily(
+                "dynaspec:spec_decode_requests_withheld",
+                "Request-steps kept from drafting because drafter catch-up would not pay",
+            )
             withheld.add_metric([], policy["requests_withheld"])
             yield withheld
-            alpha = GaugeMetricFamily("dynaspec:spec_decode_acceptance_estimate", "Live acceptance estimate per position",
-                                      labels=["position"])
+            alpha = GaugeMetricFamily(
+                "dynaspec:spec_decode_acceptance_estimate",
+                "Live acceptance estimate per position",
+                labels=["position"],
+            )
             for i, a in enumerate(policy.get("acceptance_rate_per_pos", [])):
                 alpha.add_metric([str(i)], a)
             yield alpha

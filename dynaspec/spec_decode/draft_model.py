@@ -70,12 +70,19 @@ class DraftModelProposer(Proposer):
         for i in active:
             r = plan.decodes[i]
             done = self.num_computed.get(r.request_id, 0)
-            runs.append(TokenRun(r.token_at(done, r.num_tokens), done, r.block_ids, [r.num_tokens - done - 1]))
+            runs.append(
+                TokenRun(r.token_at(done, r.num_tokens), done, r.block_ids, [r.num_tokens - done - 1])
+            )
         for j in range(k):
             if j > 0:  # feed draft j-1 of the requests that want more than j drafts
                 active = [i for i in active if plan.k_caps[i] > j]
                 runs = [
-                    TokenRun([int(tokens[i, j - 1])], plan.decodes[i].num_tokens + j - 1, plan.decodes[i].block_ids, [0])
+                    TokenRun(
+                        [int(tokens[i, j - 1])],
+                        plan.decodes[i].num_tokens + j - 1,
+                        plan.decodes[i].block_ids,
+                        [0],
+                    )
                     for i in active
                 ]
             start = time.perf_counter()
@@ -85,7 +92,9 @@ class DraftModelProposer(Proposer):
             passes.append(DraftPass(rows, extra, self._elapsed_ms(start)))
             idx = torch.tensor(active, dtype=torch.long, device=self.ctx.device)
             if want_probs:
-                q = processed_probs(logits, sampling.temperature[idx], sampling.top_k[idx], sampling.top_p[idx])[:, 0]
+                q = processed_probs(
+                    logits, sampling.temperature[idx], sampling.top_k[idx], sampling.top_p[idx]
+                )[:, 0]
                 q = F.pad(q, (0, self.vocab_size - q.shape[-1]))  # a pruned head never proposes the rest
                 probs[:, j].index_copy_(0, idx, q)
                 for row, i in enumerate(active):

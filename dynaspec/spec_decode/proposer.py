@@ -8,8 +8,9 @@ engine can call on any proposer (a no-op where it does not apply). Only the conf
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -83,7 +84,7 @@ def register_proposer(name: str) -> Callable[[ProposerFactory], ProposerFactory]
 def make_proposer(spec_config: SpeculativeConfig | None, ctx: ProposerContext) -> Proposer:
     if spec_config is None:
         return Proposer(ctx)
-    import dynaspec.spec_decode.draft_model  # noqa: F401  registers draft_model
+    import dynaspec.spec_decode.draft_model
     import dynaspec.spec_decode.ngram  # noqa: F401  registers ngram
 
     return PROPOSERS[spec_config.method](spec_config, ctx)

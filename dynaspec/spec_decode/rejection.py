@@ -48,7 +48,9 @@ def rejection_sample(
         idx = torch.tensor(greedy_rows, dtype=torch.long, device=target_logits.device)
         argmax = target_logits.index_select(0, idx).argmax(-1)  # [g, k + 1]
         limit = torch.tensor([num_drafts[b] for b in greedy_rows], device=argmax.device)
-        match = (draft_tokens.index_select(0, idx) == argmax[:, :k]) & (torch.arange(k, device=argmax.device)[None, :] < limit[:, None])
+        match = (draft_tokens.index_select(0, idx) == argmax[:, :k]) & (
+            torch.arange(k, device=argmax.device)[None, :] < limit[:, None]
+        )
         accepted = match.long().cumprod(-1).sum(-1)  # [g]
         for b, row, n in zip(greedy_rows, argmax.tolist(), accepted.tolist()):
             emitted[b] = row[: n + 1]
@@ -57,11 +59,16 @@ def rejection_sample(
     if sampled_rows:
         idx = torch.tensor(sampled_rows, dtype=torch.long, device=target_logits.device)
         p_all = processed_probs(
-            target_logits.index_select(0, idx), sampling.temperature[idx], sampling.top_k[idx], sampling.top_p[idx]
+            target_logits.index_select(0, idx),
+            sampling.temperature[idx],
+            sampling.top_k[idx],
+            sampling.top_p[idx],
         )  # [s, k + 1, vocab]
         for j, b in enumerate(sampled_rows):
             q = None if draft_probs is None else draft_probs[b]
-            emitted[b] = _verify_row(p_all[j], draft_tokens[b].tolist(), num_drafts[b], q, sampling.generators[b])
+            emitted[b] = _verify_row(
+                p_all[j], draft_tokens[b].tolist(), num_drafts[b], q, sampling.generators[b]
+            )
     return emitted
 
 

@@ -60,6 +60,7 @@ class SpecStats:
             "acceptance_rate_per_pos": [round(a, 4) for a in self.acceptance_rate_per_pos],
             "accepted_per_pos": list(self.accepted_per_pos),
             "steps_by_batch_size": {
-                str(bs): {str(k): n for k, n in sorted(ks.items())} for bs, ks in sorted(self.steps_by_batch_size.items())
+                str(bs): {str(k): n for k, n in sorted(ks.items())}
+                for bs, ks in sorted(self.steps_by_batch_size.items())
             },
         }

@@ -1,0 +1,1 @@
+"""Speculative decoding, step by step: proposers that draft, lossless verification, acceptance statistics."""
