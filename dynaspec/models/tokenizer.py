@@ -14,8 +14,6 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<
 # that began in the prompt decodes as it would inside the full text.
 _DETOKENIZER_CONTEXT = 6
 
-_REPLACEMENT_CHAR = "\ufffd"
-
 
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
@@ -129,19 +127,20 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of generated ids into a stream of text.
+    """Turns a stream of generated ids into a stream of text (``tokenizers``' ``DecodeStream``).
 
     Decoding token by token is wrong in two ways: a character split over several byte tokens
     decodes to U+FFFD until its last byte arrives, and some tokenizers drop or add a leading space
-    when a token is decoded alone. So each step decodes a short window that starts a few tokens
-    back, and emits only what the new tokens added, holding text back while it ends in U+FFFD.
+    when a token is decoded alone. The stream starts from the prompt's last tokens as context and
+    holds text back while the ids so far end inside a character.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
-        self._tokenizer = tokenizer
-        self._ids = list(prompt_ids[-_DETOKENIZER_CONTEXT:])  # context tail, then output ids
-        self._prefix_offset = 0  # the window decoded as context starts here
-        self._read_offset = len(self._ids)  # ids before this are already emitted as text
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = tokenizer.hf_tokenizer.backend_tokenizer
+        self._stream = DecodeStream(ids=list(prompt_ids[-_DETOKENIZER_CONTEXT:]), skip_special_tokens=True)
+        self._held: list[int] = []  # ids the stream holds back: they end inside a character
         self._text = ""
 
     @property
@@ -151,26 +150,17 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int]) -> str:
         """Append generated ids; return the text they completed (possibly empty)."""
-        self._ids.extend(new_ids)
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = decode(self._ids[self._prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+        new_text = self._stream.step(self._backend, list(new_ids)) if new_ids else None
+        if new_text is None:
+            self._held.extend(new_ids)
             return ""
-        new_text = full_text[len(prefix_text) :]
-        self._ids = self._ids[self._read_offset :]
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._held.clear()
         self._text += new_text
         return new_text
 
     def flush(self) -> str:
         """At the end of a sequence: emit whatever is held back, incomplete characters included."""
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = decode(self._ids[self._prefix_offset :])
-        new_text = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
-        self._ids = self._ids[len(self._ids) :]
-        self._prefix_offset = self._read_offset = 0
+        new_text = self._backend.decode(self._held, skip_special_tokens=True) if self._held else ""
+        self._held.clear()
         self._text += new_text
         return new_text
