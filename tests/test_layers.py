@@ -36,9 +36,8 @@ def test_the_tree_keeps_its_layers(tmp_path):
 )
 def test_an_upward_import_breaks_the_contract(tmp_path, module, line, broken):
     copy = tmp_path / "src"
-    shutil.copytree(
-        ROOT / "dynaspec", copy / "dynaspec", ignore=shutil.ignore_patterns("__pycache__", "data")
-    )
+    skip = shutil.ignore_patterns("__pycache__", "data")
+    shutil.copytree(ROOT / "dynaspec", copy / "dynaspec", ignore=skip)
     target = copy / "dynaspec" / module
     target.write_text(target.read_text() + f"\n{line}\n")
     result = lint_imports(copy, tmp_path)

@@ -206,9 +206,7 @@ class Engine:
         self.proposer.release(plan.released)  # forget finished and preempted requests
         if plan.is_empty:
             return []
-        sampling = SamplingTensors.build(
-            [r.params for r in plan.sampled], [r.generator for r in plan.sampled], self.device
-        )
+        sampling = SamplingTensors.of(plan.sampled, self.device)  # temperature, top-k/p, seeds per row
         drafts = self.proposer.propose(plan, sampling)  # up to k_caps[i] draft tokens per decode
         start = time.perf_counter()
         logits = self.runner.forward(plan, drafts)  # one target pass: last tokens + drafts + prefills

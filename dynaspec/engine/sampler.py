@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dynaspec.sampling_params import SamplingParams
+from dynaspec.engine.request import Request
 
 
 @dataclass(slots=True)
@@ -18,14 +18,13 @@ class SamplingTensors:
     all_greedy: bool
 
     @classmethod
-    def build(
-        cls, params: list[SamplingParams], generators: list[torch.Generator], device: torch.device
-    ) -> SamplingTensors:
+    def of(cls, requests: list[Request], device: torch.device) -> SamplingTensors:
+        params = [r.params for r in requests]
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            generators=generators,
+            generators=[r.generator for r in requests],
             all_greedy=all(p.greedy for p in params),
         )
 

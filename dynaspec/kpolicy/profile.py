@@ -112,16 +112,14 @@ def smooth_itl(batch_stats: dict[int, dict[int, float]]) -> dict[int, dict[int, 
     """The profiled grid with its measurement noise taken out and its shape kept.
 
     A median of a few steps jitters by tens of milliseconds on a shared CPU, enough to flip the
-    argmax between neighbouring K (one profile here had ITL(1, 3) 14 ms above ITL(1, 2) and 90 ms
-    below ITL(1, 4)). Two facts of the step's cost hold the grid together:
+    argmax between neighbouring K. Two facts of the step's cost hold the grid together:
 
     - within a batch size, each extra draft token adds one drafter pass and bs verified tokens, so
       ITL(bs, K) for K >= 1 lies on a line in K (fitted by least squares, slope >= 0, never below
       K=0). K=0, where the drafter does not run at all, stays as measured unless it lies above
       that line's value at K=1: a plain step cannot cost more than a drafting one, so such a
       cell is a hiccup and is put back on the line (its value at K=0) before it can pool its
-      neighbours up below (one profile measured ITL(2, 0) = 764 ms between 331 at batch 1 and
-      390 at batch 4);
+      neighbours up below;
     - a step never gets cheaper with more requests: each K's column is made non-decreasing in bs
       (isotonic regression, pool adjacent violators), which averages a dip with its neighbours
       rather than lifting it to the maximum.

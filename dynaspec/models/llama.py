@@ -20,10 +20,9 @@ from dynaspec.models.config import ModelConfig
 class Linear(nn.Linear):
     """nn.Linear that runs a lone bf16/fp16 row on CPU as two identical rows.
 
-    oneDNN's one-row half-precision path is much slower than its two-row one on CPU (the MLP's
-    down projection: 2.6 vs 1.6 ms, o_proj 0.85 vs 0.44 ms on a 2-core AVX-512 VM), and the
-    row's result is bitwise the same; plain batch-1 decode gets ~20% faster. float32 keeps the
-    one-row path (faster there) and CUDA is untouched.
+    oneDNN's one-row half-precision path is much slower than its two-row one on CPU (1.6-1.9x for
+    o_proj and down_proj, results/RESULTS.md), and the row's result is bitwise the same. float32
+    keeps the one-row path (faster there) and CUDA is untouched.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,10 @@ class _EngineCollector:
             per_pos.add_metric([str(i)], n)
         yield per_pos
         k = GaugeMetricFamily(
-            "dynaspec:spec_decode_k", "K last chosen at each decode batch size", labels=["batch_size"]
+            "dynaspec:spec_decode_k",
+            "K last chosen at each batch size: the load (running + waiting requests) for the goodput "
+            "policy, the decode batch for the table policy",
+            labels=["batch_size"],
         )
         for bs, value in spec.get("policy", {}).get("k_by_batch_size", {}).items():
             k.add_metric([str(bs)], value)
