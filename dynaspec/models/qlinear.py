@@ -55,7 +55,7 @@ def kernel_error() -> str | None:
             is_python_module=False,
             verbose=False,
         )
-    except Exception as e:  # no compiler, failed build: the built-in paths still work
+    except Exception as e:  # noqa: BLE001 (no compiler, any build failure: the built-in paths still work)
         return f"building {KERNEL_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[-400:]}"
     return None
 
@@ -123,7 +123,9 @@ class _Int4(nn.Module):
     def __init__(self, weight: GroupedWeight, dtype: torch.dtype) -> None:
         super().__init__()
         if weight.bits != 4 or weight.group not in INT4_GROUPS:
-            raise ValueError(f"path 'int4' takes 4-bit codes in groups of {INT4_GROUPS}, not {weight.bits}-bit/{weight.group}")
+            raise ValueError(
+                f"path 'int4' takes 4-bit codes in groups of {INT4_GROUPS}, not {weight.bits}-bit/{weight.group}"
+            )
         u, offsets = unsigned_form(weight)
         self.group, self.dtype = weight.group, dtype
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32), INT4_INNER_K_TILES)
@@ -201,8 +203,14 @@ class QuantLinear(nn.Module):
         """From raw group-wise parts; `bits` defaults to the fewest that hold the codes."""
         if bits is None:
             lo, hi = int(codes.min()), int(codes.max())
-            bits = max(1, (hi - lo).bit_length()) if offsets is not None else max(lo.bit_length(), hi.bit_length()) + 1
-        weight = GroupedWeight(codes, scales.float(), None if offsets is None else offsets.float(), group, bits)
+            bits = (
+                max(1, (hi - lo).bit_length())
+                if offsets is not None
+                else max(lo.bit_length(), hi.bit_length()) + 1
+            )
+        weight = GroupedWeight(
+            codes, scales.float(), None if offsets is None else offsets.float(), group, bits
+        )
         return cls(weight, bias, **kwargs)
 
     @classmethod
@@ -210,7 +218,7 @@ class QuantLinear(nn.Module):
         """From a `gguf.GGUFReader` tensor of a quantized 2-D weight (dense types are refused)."""
         weight = decode_reader_tensor(tensor)
         if not isinstance(weight, GroupedWeight):
-            raise ValueError(f"{tensor.name}: {tensor.tensor_type.name} is not quantized; use nn.Linear")
+            raise TypeError(f"{tensor.name}: {tensor.tensor_type.name} is not quantized; use nn.Linear")
         return cls(weight, bias, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
