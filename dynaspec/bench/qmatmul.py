@@ -1,0 +1,145 @@
+"""`dynaspec bench qmatmul`: ms per linear-layer forward against rows, for each QuantLinear path.
+
+Speculative verification pushes batch x (K+1) rows through every layer, so what matters is the
+curve of cost against rows, not the one-row figure. Random weights of the target's real layer
+shapes, quantized like Q4_K (4-bit codes, groups of 32, scale and offset per group; `--bits 8`:
+Q8_0-like); each path runs the same weight. Paths are interleaved within every repeat and the
+median is reported; each sample loops enough calls to last about a millisecond or more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+from dynaspec.bench.common import format_table, write_result
+
+# (out, in) of the Qwen2.5-Coder-1.5B linear layers
+SHAPES = {
+    "qkv": (2048, 1536),
+    "o": (1536, 1536),
+    "gate_up": (17920, 1536),
+    "down": (1536, 8960),
+    "head": (151936, 1536),
+}
+SAMPLE_S = 0.002  # a timing sample repeats the call to last at least this long
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("qmatmul", help="quantized linear layers: ms per forward vs rows, per path")
+    p.add_argument(
+        "--shapes", default="qkv,o,gate_up,down,head", help=f"comma-separated, of {', '.join(SHAPES)}"
+    )
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128")
+    p.add_argument(
+        "--paths", default="dense,int4,int8,vnni", help="QuantLinear paths (dense = bf16 F.linear)"
+    )
+    p.add_argument("--bits", type=int, default=4, choices=[4, 8], help="4: Q4_K-like, 8: Q8_0-like weights")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-file", default="results/bench_qmatmul.json")
+    p.add_argument(
+        "--plot", default=None, help="PNG path for a plot of ms vs rows (e.g. results/bench_qmatmul.png)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from dynaspec.models.qlinear import PATHS, QuantLinear, kernel_error, quantize_dense
+
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown or not shapes:
+        raise ValueError(f"--shapes: unknown {unknown}; choose from {list(SHAPES)}")
+    rows_list = [int(r) for r in args.rows.split(",") if r.strip()]
+    if not rows_list or min(rows_list) < 1:
+        raise ValueError("--rows: need comma-separated integers >= 1")
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if any(p not in PATHS for p in paths):
+        raise ValueError(f"--paths: choose from {PATHS}")
+    if "vnni" in paths and kernel_error() is not None:
+        print(f"skipping vnni: {kernel_error()}")
+        paths.remove("vnni")
+    if args.bits != 4 and "int4" in paths:
+        paths.remove("int4")
+    if args.repeats < 1:
+        raise ValueError("--repeats: need >= 1")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    records, table = [], []
+    for shape in shapes:
+        n_out, n_in = SHAPES[shape]
+        weight = quantize_dense(torch.randn(n_out, n_in) * 0.02, args.bits)
+        layers = {p: QuantLinear(weight, path=p, dtype=torch.bfloat16) for p in paths}
+        del weight
+        for rows in rows_list:
+            x = torch.randn(rows, n_in).bfloat16()
+            calls = {p: _calls_per_sample(layer, x) for p, layer in layers.items()}
+            samples: dict[str, list[float]] = {p: [] for p in paths}
+            with torch.inference_mode():
+                for _ in range(args.repeats):
+                    for p, layer in layers.items():
+                        start = time.perf_counter()
+                        for _ in range(calls[p]):
+                            layer(x)
+                        samples[p].append((time.perf_counter() - start) / calls[p])
+            ms = {p: statistics.median(v) * 1e3 for p, v in samples.items()}
+            table.append([shape, rows, *(f"{ms[p]:.3f}" for p in paths)])
+            records += [
+                {"shape": shape, "out": n_out, "in": n_in, "rows": rows, "path": p, "ms": round(ms[p], 4)}
+                for p in paths
+            ]
+        del layers
+        print(f"{shape} ({n_out}x{n_in}) done", flush=True)
+    print(format_table(["shape", "rows", *(f"{p} ms" for p in paths)], table))
+    write_result(
+        args.result_file,
+        {
+            "benchmark": "qmatmul",
+            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "kernel": kernel_error() or "built",
+            "results": records,
+        },
+    )
+    if args.plot:
+        _plot(records, shapes, paths, args.plot)
+    return 0
+
+
+def _calls_per_sample(layer, x) -> int:
+    """Warm the layer up and pick how many calls one timing sample makes."""
+    import torch
+
+    with torch.inference_mode():
+        layer(x)
+        start = time.perf_counter()
+        layer(x)
+        once = time.perf_counter() - start
+    return max(1, math.ceil(SAMPLE_S / max(once, 1e-6)))
+
+
+def _plot(records: list[dict], shapes: list[str], paths: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.6), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for p in paths:
+            pts = [(r["rows"], r["ms"]) for r in records if r["shape"] == shape and r["path"] == p]
+            ax.plot(*zip(*pts), marker="o", label=p)
+        first = next(r for r in records if r["shape"] == shape)
+        ax.set(title=f"{shape} {first['out']}x{first['in']}", xlabel="rows", xscale="log", yscale="log")
+        ax.set_xticks([r for r, _ in pts], [str(r) for r, _ in pts])
+    axes[0][0].set_ylabel("ms per forward (median)")
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
