@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from dynaspec.models.gguf_blocks import GroupedWeight
-from dynaspec.models.qlinear import QuantLinear, default_path, kernel_error, quantize_dense
+from dynaspec.models.qlinear import (
+    AMX_MIN_ROWS,
+    NO_AMX,
+    QuantLinear,
+    default_path,
+    kernel_error,
+    quantize_dense,
+)
 
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
 OUT, IN = 80, 512  # 80 columns: not a multiple of the kernel's 32-column step
@@ -66,6 +73,7 @@ CASES = [  # (path, compute dtype, weight kinds, tolerance)
     ("int4", torch.bfloat16, ("q4_affine", "q4_sym"), 2e-2),
     ("int8", torch.float32, KINDS, 2e-2),
     ("vnni", torch.float32, KINDS, 2e-2),
+    ("vnni", torch.bfloat16, KINDS, 2e-2),
 ]
 
 
@@ -93,12 +101,18 @@ def test_path_matches_float_reference(path: str, dtype: torch.dtype, kind: str, 
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_vnni_is_batch_invariant(kind: str, dtype: torch.dtype) -> None:
-    """Row i alone equals row i inside a batch of any size, bitwise (the default path's promise)."""
+@pytest.mark.parametrize(
+    "amx_min_rows", [NO_AMX, 1, AMX_MIN_ROWS], ids=["vnni-only", "amx-always", "default"]
+)
+def test_vnni_is_batch_invariant(kind: str, dtype: torch.dtype, amx_min_rows: int) -> None:
+    """Row i alone (always the VNNI loop) equals row i inside a batch of any size, bitwise, whether
+    the batch ran through the VNNI loop or AMX tiles (the default path's promise)."""
     layer = QuantLinear(_weight(kind), torch.randn(OUT), path="vnni")
     x = torch.randn(max(ROWS), IN, generator=torch.Generator().manual_seed(3)).to(dtype)
+    layer.impl.amx_min_rows = NO_AMX
     alone = torch.cat([layer(x[i : i + 1]) for i in range(max(ROWS))])
-    for rows in ROWS:
+    layer.impl.amx_min_rows = amx_min_rows
+    for rows in (*ROWS, 17, 40):
         assert torch.equal(layer(x[:rows]), alone[:rows]), f"rows={rows}"
 
 
