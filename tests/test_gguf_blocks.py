@@ -12,7 +12,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 
-from dynaspec.models.gguf_blocks import GroupedWeight, decode_blocks
+from dynaspec.models.gguf_blocks import GroupedWeight, decode_blocks, random_blocks
 
 OUT, IN = 8, 512
 
@@ -21,24 +21,13 @@ QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 RANDOM_BYTES = [T.Q4_K, T.Q5_K, T.Q6_K]
 
 
-def _random_blocks(qtype: T, rng: np.random.Generator) -> np.ndarray:  # [OUT, IN // block * type_size]
-    block, size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(OUT * IN // block, size), dtype=np.uint8)
-    scales = rng.uniform(1e-4, 0.05, size=(raw.shape[0], 2)).astype(np.float16).view(np.uint8)
-    if qtype == T.Q6_K:
-        raw[:, 208:210] = scales[:, 0:2]  # d sits at the end of the block
-    else:
-        raw[:, 0:4] = scales  # d, dmin
-    return raw.reshape(OUT, -1)
-
-
 @pytest.mark.parametrize("qtype", QUANTIZABLE + RANDOM_BYTES, ids=lambda t: t.name)
 def test_decode_matches_gguf_dequantize(qtype: T) -> None:
     rng = np.random.default_rng(int(qtype))
     if qtype in QUANTIZABLE:
         raw = quants.quantize(rng.standard_normal((OUT, IN)).astype(np.float32), qtype)
     else:
-        raw = _random_blocks(qtype, rng)
+        raw = random_blocks(qtype, (OUT, IN), seed=int(qtype))
     ref = quants.dequantize(raw, qtype)
     got = decode_blocks(raw, qtype, (OUT, IN), "blk.0.test.weight")
     assert isinstance(got, GroupedWeight)
@@ -46,6 +35,13 @@ def test_decode_matches_gguf_dequantize(qtype: T) -> None:
     lo, hi = (0, 2**got.bits) if got.offsets is not None else (-(2 ** (got.bits - 1)), 2 ** (got.bits - 1))
     assert lo <= int(got.codes.min()) and int(got.codes.max()) < hi
     assert torch.equal(got.dequantize(), torch.from_numpy(ref))
+    sup = got.superblocks
+    if qtype in RANDOM_BYTES:  # the K-quants keep their two-level scales, and they multiply out exactly
+        assert torch.equal(sup.d.repeat_interleave(sup.size, dim=1) * sup.sc.float(), got.scales)
+        if got.offsets is not None:
+            assert torch.equal(sup.dmin.repeat_interleave(sup.size, dim=1) * sup.m.float(), got.offsets)
+    else:
+        assert sup is None
 
 
 @pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)

@@ -8,13 +8,19 @@ bfloat16 2e-2 (bf16 inputs, scales and output); "int8" 2e-2 (weights re-rounded 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
 
-from dynaspec.models.gguf_blocks import GroupedWeight
+from dynaspec.models.gguf_blocks import GroupedWeight, decode_blocks, random_blocks
 from dynaspec.models.qlinear import (
     AMX_MIN_ROWS,
     NO_AMX,
+    SCALE_F16,
+    SCALE_F32,
+    SCALE_SUPER,
     QuantLinear,
     default_path,
     kernel_error,
@@ -28,7 +34,17 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
+def _gguf_weight(qtype: T) -> GroupedWeight:
+    """Blocks as a GGUF file holds them: quantized by gguf where it can, else random valid bytes."""
+    if qtype in (T.Q4_0, T.Q8_0, T.Q5_0):
+        x = np.random.default_rng(int(qtype)).standard_normal((OUT, IN)).astype(np.float32) * 0.05
+        return decode_blocks(quants.quantize(x, qtype), qtype, (OUT, IN))
+    return decode_blocks(random_blocks(qtype, (OUT, IN), seed=int(qtype)), qtype, (OUT, IN))
+
+
 def _weight(kind: str) -> GroupedWeight:
+    if kind.startswith("gguf_"):
+        return _gguf_weight(T[kind[5:].upper()])
     g = torch.Generator().manual_seed(0)
     if kind == "q4_affine":  # Q4_K/Q4_1-like: uint8 codes with offsets, groups of 32
         return GroupedWeight(
@@ -65,12 +81,23 @@ def _weight(kind: str) -> GroupedWeight:
     raise AssertionError(kind)
 
 
-KINDS = ("q4_affine", "q4_sym", "q6_k", "q8_0")
+KINDS = (
+    "q4_affine",
+    "q4_sym",
+    "q6_k",
+    "q8_0",
+    "gguf_q4_k",
+    "gguf_q5_k",
+    "gguf_q6_k",
+    "gguf_q4_0",
+    "gguf_q5_0",
+    "gguf_q8_0",
+)
 CASES = [  # (path, compute dtype, weight kinds, tolerance)
     ("dense", torch.float32, KINDS, 1e-5),
     ("dense", torch.bfloat16, KINDS, 2e-2),
-    ("int4", torch.float32, ("q4_affine", "q4_sym"), 1e-5),
-    ("int4", torch.bfloat16, ("q4_affine", "q4_sym"), 2e-2),
+    ("int4", torch.float32, ("q4_affine", "q4_sym", "gguf_q4_k", "gguf_q4_0"), 1e-5),
+    ("int4", torch.bfloat16, ("q4_affine", "q4_sym", "gguf_q4_k", "gguf_q4_0"), 2e-2),
     ("int8", torch.float32, KINDS, 2e-2),
     ("vnni", torch.float32, KINDS, 2e-2),
     ("vnni", torch.bfloat16, KINDS, 2e-2),
@@ -120,6 +147,20 @@ def test_vnni_is_batch_invariant(kind: str, dtype: torch.dtype, amx_min_rows: in
 def test_default_path_is_the_kernel() -> None:
     assert default_path(_weight("q4_affine")) == "vnni"
     assert QuantLinear(_weight("q6_k")).path == "vnni"
+
+
+@needs_kernel
+def test_kernel_streams_the_smallest_exact_scales() -> None:
+    modes = {
+        kind: QuantLinear(_weight(kind), path="vnni").impl.mode
+        for kind in ("q4_affine", "gguf_q4_k", "gguf_q6_k", "gguf_q8_0")
+    }
+    assert modes == {
+        "q4_affine": SCALE_F32,
+        "gguf_q4_k": SCALE_SUPER,
+        "gguf_q6_k": SCALE_SUPER,
+        "gguf_q8_0": SCALE_F16,
+    }
 
 
 def test_quantize_dense_round_trips() -> None:

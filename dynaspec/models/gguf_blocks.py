@@ -19,6 +19,18 @@ QK_K = 256  # weights per K-quant super-block
 
 
 @dataclass(frozen=True, slots=True)
+class SuperBlocks:
+    """The K-quants' two-level scales, kept so a kernel can stream 8-bit sub-scales instead of
+    float32 per group: scale = d[g // size] * sc[g], offset = dmin[g // size] * m[g] (exact)."""
+
+    size: int  # groups per super-block
+    d: torch.Tensor  # [out, groups // size] float32 (an f16 value of the file)
+    sc: torch.Tensor  # [out, groups] int8
+    dmin: torch.Tensor | None  # [out, groups // size] float32; None without offsets
+    m: torch.Tensor | None  # [out, groups] int8; None without offsets
+
+
+@dataclass(frozen=True, slots=True)
 class GroupedWeight:
     """Integer codes with one float32 scale (and, for affine types, offset) per group of weights."""
 
@@ -27,6 +39,7 @@ class GroupedWeight:
     offsets: torch.Tensor | None  # [out, in // group] float32; None for symmetric types
     group: int  # weights per group along `in`
     bits: int  # codes use this many bits (signed codes lie in [-2**(bits-1), 2**(bits-1)))
+    superblocks: SuperBlocks | None = None  # the same scales and offsets, factored (K-quants)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -75,12 +88,12 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _q4_0(b: np.ndarray):
     d = _f16(b[:, 0:2])
     q = _nibbles(b[:, 2:18], 16).astype(np.int8) - 8
-    return q, d[:, None], None, 32, 4
+    return q, d[:, None], None, 32, 4, None
 
 
 def _q4_1(b: np.ndarray):
     d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    return _nibbles(b[:, 4:20], 16), d[:, None], m[:, None], 32, 4
+    return _nibbles(b[:, 4:20], 16), d[:, None], m[:, None], 32, 4, None
 
 
 def _q5_low_high(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:  # [n, 32] uint8 in [0, 32)
@@ -91,17 +104,17 @@ def _q5_low_high(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:  # [n, 32] uint8
 def _q5_0(b: np.ndarray):
     d = _f16(b[:, 0:2])
     q = _q5_low_high(b[:, 2:6], b[:, 6:22]).astype(np.int8) - 16
-    return q, d[:, None], None, 32, 5
+    return q, d[:, None], None, 32, 5, None
 
 
 def _q5_1(b: np.ndarray):
     d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    return _q5_low_high(b[:, 4:8], b[:, 8:24]), d[:, None], m[:, None], 32, 5
+    return _q5_low_high(b[:, 4:8], b[:, 8:24]), d[:, None], m[:, None], 32, 5, None
 
 
 def _q8_0(b: np.ndarray):
     d = _f16(b[:, 0:2])
-    return np.ascontiguousarray(b[:, 2:34]).view(np.int8), d[:, None], None, 32, 8
+    return np.ascontiguousarray(b[:, 2:34]).view(np.int8), d[:, None], None, 32, 8, None
 
 
 def _k_affine(b: np.ndarray, qh: np.ndarray | None, qs: np.ndarray):
@@ -110,15 +123,18 @@ def _k_affine(b: np.ndarray, qh: np.ndarray | None, qs: np.ndarray):
     q = _nibbles(qs, 32)
     if qh is not None:
         q = q | (_high_bits(qh, 1) << 4)
-    return q, d[:, None] * sc.astype(np.float32), -(dmin[:, None] * m.astype(np.float32)), 32
+    scales, offsets = d[:, None] * sc.astype(np.float32), -(dmin[:, None] * m.astype(np.float32))
+    return q, scales, offsets, 32, (d, sc.view(np.int8), -dmin, m.view(np.int8))
 
 
 def _q4_k(b: np.ndarray):
-    return (*_k_affine(b, None, b[:, 16:144]), 4)
+    q, scales, offsets, group, sup = _k_affine(b, None, b[:, 16:144])
+    return q, scales, offsets, group, 4, sup
 
 
 def _q5_k(b: np.ndarray):
-    return (*_k_affine(b, b[:, 16:48], b[:, 48:176]), 5)
+    q, scales, offsets, group, sup = _k_affine(b, b[:, 16:48], b[:, 48:176])
+    return q, scales, offsets, group, 5, sup
 
 
 def _q6_k(b: np.ndarray):
@@ -127,7 +143,7 @@ def _q6_k(b: np.ndarray):
     q = (low | (high << 4)).astype(np.int8) - 32
     sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
     d = _f16(b[:, 208:210])
-    return q, d[:, None] * sc, None, 16, 6
+    return q, d[:, None] * sc, None, 16, 6, (d, sc.astype(np.int8), None, None)
 
 
 _DECODERS = {
@@ -168,8 +184,23 @@ def decode_blocks(
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if n_in % block_size or raw.size != out * n_in // block_size * type_size:
         raise ValueError(f"{name}: {raw.size} bytes do not hold a {qtype.name} tensor of shape {shape}")
-    q, scales, offsets, group, bits = decoder(raw.reshape(-1, type_size))
+    q, scales, offsets, group, bits, sup = decoder(raw.reshape(-1, type_size))
     groups = n_in // group
+    superblocks = None
+    if sup is not None:  # one super-block per GGUF block
+        d, sc, dmin, m = sup
+        supers = n_in // block_size
+
+        def ints(v: np.ndarray) -> torch.Tensor:  # [blocks, groups per block] -> [out, groups]
+            return torch.from_numpy(np.ascontiguousarray(v).reshape(out, groups))
+
+        superblocks = SuperBlocks(
+            size=groups // supers,
+            d=torch.from_numpy(d.reshape(out, supers).copy()),
+            sc=ints(sc),
+            dmin=None if dmin is None else torch.from_numpy(dmin.reshape(out, supers).copy()),
+            m=None if m is None else ints(m),
+        )
     return GroupedWeight(
         codes=torch.from_numpy(np.ascontiguousarray(q).reshape(out, n_in)),
         scales=torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(out, groups)),
@@ -178,6 +209,7 @@ def decode_blocks(
         else torch.from_numpy(_per_group(offsets, scales.shape).reshape(out, groups)),
         group=group,
         bits=bits,
+        superblocks=superblocks,
     )
 
 
@@ -185,6 +217,27 @@ def _per_group(
     values: np.ndarray, shape: tuple[int, ...]
 ) -> np.ndarray:  # values broadcast to shape, own copy
     return np.broadcast_to(values, shape).astype(np.float32, copy=True)
+
+
+def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """Random valid blocks of a quantized type for tests and benchmarks: uniform random bytes with
+    the f16 super-scales (d, and dmin where the type has one) set to small positive values.
+    Returns [out, bytes per row] uint8."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in _DECODERS:
+        raise ValueError(f"random_blocks: {qtype.name} is not a supported quantized type")
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    out, n_in = shape
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(out * n_in // block_size, type_size), dtype=np.uint8)
+    d = rng.uniform(1e-4, 2e-3, size=(raw.shape[0], 2)).astype(np.float16).view(np.uint8)
+    if qtype == GGMLQuantizationType.Q6_K:
+        raw[:, 208:210] = d[:, 0:2]  # d closes the block
+    elif qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0):
+        raw[:, 0:2] = d[:, 0:2]
+    else:
+        raw[:, 0:4] = d  # d, then dmin (or m for Q4_1/Q5_1)
+    return raw.reshape(out, -1)
 
 
 def decode_reader_tensor(tensor) -> GroupedWeight | torch.Tensor:

@@ -33,6 +33,7 @@ PATHS = ("vnni", "int4", "int8", "dense")
 AMX_MIN_ROWS = (
     12  # measured crossover on a 1536x8960 layer: VNNI grows ~0.05 ms per row, an AMX block of 16 rows ~1 ms
 )
+SCALE_F32, SCALE_F16, SCALE_SUPER = 0, 1, 2  # the kernel's scale modes (csrc/qmatmul.cpp ScaleMode)
 NO_AMX = 2**62  # an amx_min_rows that keeps every call on the VNNI loop
 
 
@@ -109,18 +110,48 @@ class _Vnni(nn.Module):
         if self.bits == 4:  # step s in the low nibble, step s + steps / 2 in the high nibble
             u = u[:, :, : g // 8] | (u[:, :, g // 8 :] << 4)
         self.register_buffer("packed", u.reshape(tiles, groups, -1).contiguous())  # [tiles, groups, bytes]
-
-        def tiled(v: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [tiles, groups, 16]
-            v = F.pad(v.float(), (0, 0, 0, pad))
-            return v.view(tiles, KERNEL_LANES, groups).transpose(1, 2).contiguous()
-
-        self.register_buffer("scales", tiled(weight.scales))
-        self.register_buffer("offsets", tiled(offsets))
+        self.mode, f32, sub, self.super_groups = _scale_table(weight, offsets, pad)
+        self.register_buffer("scales_f32", f32)
+        self.register_buffer("scales_sub", sub)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out] float32
         return torch.ops.dynaspec.qmm_vnni(
-            x, self.packed, self.scales, self.offsets, self.n_out, self.group, self.bits, self.amx_min_rows
+            x,
+            self.packed,
+            self.scales_f32,
+            self.scales_sub,
+            self.n_out,
+            self.group,
+            self.bits,
+            self.mode,
+            self.super_groups,
+            self.amx_min_rows,
         )
+
+
+def _scale_table(
+    weight: GroupedWeight,
+    offsets: torch.Tensor,  # [out, groups] float32: the unsigned form's offsets
+    pad: int,
+) -> tuple[int, torch.Tensor, torch.Tensor, int]:
+    """The smallest exact storage of the kernel's scales and offsets, in tiles of 16 columns:
+    (mode, f32 [tiles, groups or super-blocks, 2, 16], sub [tiles, groups, 2, 16], groups per
+    super-block). K-quants stream int8 sub-scales (2 bytes per group and column instead of 8);
+    types whose scales are f16 values stream them as f16."""
+
+    def tiled(*vs: torch.Tensor) -> torch.Tensor:  # k x [out, n] -> [tiles, n, k, 16]
+        v = F.pad(torch.stack(vs, dim=-1), (0, 0, 0, 0, 0, pad))
+        return v.view(-1, KERNEL_LANES, *v.shape[1:]).permute(0, 2, 3, 1).contiguous()
+
+    empty = torch.empty(0)
+    sb = weight.superblocks
+    if sb is not None:
+        dmin, m = (sb.dmin, sb.m) if weight.offsets is not None else (sb.d * -(2 ** (weight.bits - 1)), sb.sc)
+        return SCALE_SUPER, tiled(sb.d, dmin), tiled(sb.sc, m), sb.size
+    half = torch.stack([weight.scales, offsets]).half()
+    if torch.isfinite(half).all() and torch.equal(half.float(), torch.stack([weight.scales, offsets])):
+        return SCALE_F16, empty, tiled(half[0], half[1]).view(torch.int16), 1
+    return SCALE_F32, tiled(weight.scales.float(), offsets.float()), empty, 1
 
 
 class _Int4(nn.Module):

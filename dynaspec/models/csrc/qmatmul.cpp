@@ -69,6 +69,40 @@ void quantize_rows(const float* x, int64_t rows, int64_t n_in, int8_t* xq, float
   });
 }
 
+// How a tile's per-group scales and offsets are stored (the packer picks the smallest exact one):
+// float32 per group; float16 per group (the legacy GGUF types, whose d and m are f16); or the
+// K-quants' two levels, float32 (d, dmin) per super-block times int8 (sc, m) per group.
+enum ScaleMode : int64_t { kScaleF32 = 0, kScaleF16 = 1, kScaleSuper = 2 };
+
+struct ScaleTable {
+  const float* f32;     // kScaleF32: [tiles, groups, 2, 16]; kScaleSuper: [tiles, supers, 2, 16]
+  const uint16_t* f16;  // kScaleF16: [tiles, groups, 2, 16]
+  const int8_t* sub;    // kScaleSuper: [tiles, groups, 2, 16]
+  int64_t groups;
+  int64_t super_groups;  // groups per super-block (kScaleSuper)
+};
+
+// The scales (vs) and offsets (vo) of one tile and group, as float32; the same values in every mode.
+template <int MODE>
+inline void load_scales(const ScaleTable& t, int64_t tile, int64_t g, __m512& vs, __m512& vo) {
+  const int64_t at = (tile * t.groups + g) * 2 * kLanes;
+  if constexpr (MODE == kScaleF32) {
+    vs = _mm512_loadu_ps(t.f32 + at);
+    vo = _mm512_loadu_ps(t.f32 + at + kLanes);
+  } else if constexpr (MODE == kScaleF16) {
+    vs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.f16 + at)));
+    vo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.f16 + at + kLanes)));
+  } else {
+    const int64_t supers = (t.groups + t.super_groups - 1) / t.super_groups;
+    const float* d = t.f32 + (tile * supers + g / t.super_groups) * 2 * kLanes;
+    const auto ints = [](const int8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    vs = _mm512_mul_ps(_mm512_loadu_ps(d), ints(t.sub + at));
+    vo = _mm512_mul_ps(_mm512_loadu_ps(d + kLanes), ints(t.sub + at + kLanes));
+  }
+}
+
 // One group's contribution to a row's 16 outputs: acc + scale * (dot * xs) + offset * xc. Every
 // path ends each group with exactly these operations, in this order.
 inline __m512 epilogue(__m512 acc, __m512i dot, __m512 scale, __m512 offset, float xs, float xc) {
@@ -93,8 +127,8 @@ inline void unpack_group(const uint8_t* wp, uint8_t* dst) {
 }
 
 // Columns of tiles [tile, tile + kTilesPerStep) for all rows: acc [rows, kTilesPerStep * 16].
-template <int BITS, int G>
-void tile_step(const uint8_t* w, const float* sc, const float* of, int64_t tile, int64_t groups,
+template <int BITS, int G, int MODE>
+void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups,
                const int8_t* xq, const float* xs, const float* xc, int64_t rows, int64_t n_in, float* acc) {
   constexpr int kSteps = G / 4;  // vpdpbusd steps per group: 4 codes of each column per step
   constexpr int kTileBytes = BITS == 4 ? kLanes * G / 2 : kLanes * G;
@@ -116,8 +150,7 @@ void tile_step(const uint8_t* w, const float* sc, const float* of, int64_t tile,
       } else {
         for (int s = 0; s < kSteps; ++s) wv[n][s] = _mm512_loadu_si512(wp + 64 * s);
       }
-      vs[n] = _mm512_loadu_ps(sc + at * kLanes);
-      vo[n] = _mm512_loadu_ps(of + at * kLanes);
+      load_scales<MODE>(st, tile + n, g, vs[n], vo[n]);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int8_t* xr = xq + xq_at<G>(r, g, groups);
@@ -164,8 +197,8 @@ bool amx_ready() {
 // Tiles 0-3: int32 sums [16 rows, 16 columns] of four consecutive groups; 4-5: activations
 // [16 rows, G]; 6-7: codes [G / 4, 64]. Four groups are in flight at once so the tile unit's
 // latency overlaps; each group's sums still get the shared epilogue, in group order.
-template <int BITS, int G>
-void amx_block(const uint8_t* w, const float* sc, const float* of, int64_t tile, int64_t groups, const int8_t* xq,
+template <int BITS, int G, int MODE>
+void amx_block(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups, const int8_t* xq,
                const float* xs, const float* xc, int64_t r0, int64_t n_in, uint8_t* codes, int32_t* sums, float* acc) {
   constexpr int kTileBytes = BITS == 4 ? kLanes * G / 2 : kLanes * G;
   constexpr int kCodeBytes = 64 * (G / 4);
@@ -207,9 +240,8 @@ void amx_block(const uint8_t* w, const float* sc, const float* of, int64_t tile,
       }
     }
     for (int j = 0; j < chunk; ++j) {
-      const int64_t at = tile * groups + g0 + j;
-      const __m512 vs = _mm512_loadu_ps(sc + at * kLanes);
-      const __m512 vo = _mm512_loadu_ps(of + at * kLanes);
+      __m512 vs, vo;
+      load_scales<MODE>(st, tile, g0 + j, vs, vo);
       const int32_t* sj = sums + j * kAmxRows * kLanes;
 #pragma GCC unroll 16
       for (int r = 0; r < kAmxRows; ++r) {
@@ -221,9 +253,9 @@ void amx_block(const uint8_t* w, const float* sc, const float* of, int64_t tile,
   for (int r = 0; r < kAmxRows; ++r) _mm512_storeu_ps(acc + r * kLanes, a[r]);
 }
 
-template <int BITS, int G>
+template <int BITS, int G, int MODE>
 void run_amx(const int8_t* xq, const float* xs, const float* xc, int64_t rows, int64_t padded_rows, int64_t n_in,
-             const uint8_t* w, const float* sc, const float* of, int64_t tiles, int64_t n_out, float* out) {
+             const uint8_t* w, const ScaleTable& st, int64_t tiles, int64_t n_out, float* out) {
   const int64_t groups = n_in / G;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     TileConfig cfg;
@@ -239,7 +271,7 @@ void run_amx(const int8_t* xq, const float* xs, const float* xc, int64_t rows, i
       const int64_t width = std::min<int64_t>(kLanes, n_out - col0);
       if (width <= 0) continue;
       for (int64_t r0 = 0; r0 < padded_rows; r0 += kAmxRows) {
-        amx_block<BITS, G>(w, sc, of, t, groups, xq, xs, xc, r0, n_in, codes, sums, acc);
+        amx_block<BITS, G, MODE>(w, st, t, groups, xq, xs, xc, r0, n_in, codes, sums, acc);
         for (int64_t r = r0; r < std::min(rows, r0 + kAmxRows); ++r)
           std::memcpy(out + r * n_out + col0, acc + (r - r0) * kLanes, sizeof(float) * width);
       }
@@ -249,24 +281,21 @@ void run_amx(const int8_t* xq, const float* xs, const float* xc, int64_t rows, i
 }
 #endif
 
-template <int BITS, int G>
-void run(const at::Tensor& xf, const at::Tensor& w, const at::Tensor& sc, const at::Tensor& of, at::Tensor& out,
+template <int BITS, int G, int MODE>
+void run(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& st, int64_t tiles, at::Tensor& out,
          int64_t amx_min_rows) {
   const int64_t rows = xf.size(0), n_in = xf.size(1), n_out = out.size(1);
   const int64_t groups = n_in / G;
-  const int64_t tiles = sc.size(0);
   // rows padded (with zeros) to whole AMX blocks; the padding rows are computed and dropped
   const int64_t padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   std::vector<int8_t> xq(padded_rows * n_in, 0);
   std::vector<float> xs(padded_rows * groups, 0.0f), xc(padded_rows * groups, 0.0f);
   quantize_rows<G>(xf.data_ptr<float>(), rows, n_in, xq.data(), xs.data(), xc.data());
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* scp = sc.data_ptr<float>();
-  const float* ofp = of.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
   if (rows >= amx_min_rows && amx_ready()) {
-    run_amx<BITS, G>(xq.data(), xs.data(), xc.data(), rows, padded_rows, n_in, wp, scp, ofp, tiles, n_out, op);
+    run_amx<BITS, G, MODE>(xq.data(), xs.data(), xc.data(), rows, padded_rows, n_in, wp, st, tiles, n_out, op);
     return;
   }
 #endif
@@ -275,7 +304,7 @@ void run(const at::Tensor& xf, const at::Tensor& w, const at::Tensor& sc, const 
     std::vector<float> acc(rows * kWidth);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t tile = p * kTilesPerStep;
-      tile_step<BITS, G>(wp, scp, ofp, tile, groups, xq.data(), xs.data(), xc.data(), rows, n_in, acc.data());
+      tile_step<BITS, G, MODE>(wp, st, tile, groups, xq.data(), xs.data(), xc.data(), rows, n_in, acc.data());
       const int64_t col0 = tile * kLanes;
       const int64_t width = std::min<int64_t>(kWidth, n_out - col0);
       if (width <= 0) continue;
@@ -284,25 +313,50 @@ void run(const at::Tensor& xf, const at::Tensor& w, const at::Tensor& sc, const 
   });
 }
 
-// x [rows, in] (float32/bfloat16/float16); w [tiles, groups, tile bytes] uint8; scales and offsets
-// [tiles, groups, 16] float32 -> [rows, n_out] float32.
-// amx_min_rows: calls with at least this many rows use AMX tiles where available (same results).
-at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
-                    int64_t n_out, int64_t group, int64_t bits, int64_t amx_min_rows) {
+template <int BITS, int G>
+void dispatch_mode(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& st, int64_t mode, int64_t tiles,
+                   at::Tensor& out, int64_t amx_min_rows) {
+  if (mode == kScaleF32) run<BITS, G, kScaleF32>(xf, w, st, tiles, out, amx_min_rows);
+  else if (mode == kScaleF16) run<BITS, G, kScaleF16>(xf, w, st, tiles, out, amx_min_rows);
+  else run<BITS, G, kScaleSuper>(xf, w, st, tiles, out, amx_min_rows);
+}
+
+// x [rows, in] (float32/bfloat16/float16); w [tiles, groups, tile bytes] uint8 -> [rows, n_out] float32.
+// scales by mode: kScaleF32: f32 [tiles, groups, 2, 16] (scale, offset), sub empty; kScaleF16: f32
+// empty, sub int16 [tiles, groups, 2, 16] (f16 bits); kScaleSuper: f32 [tiles, supers, 2, 16] (d,
+// dmin), sub int8 [tiles, groups, 2, 16] (sc, m). amx_min_rows: calls with at least this many rows
+// use AMX tiles where available (same results).
+at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& f32, const at::Tensor& sub,
+                    int64_t n_out, int64_t group, int64_t bits, int64_t mode, int64_t super_groups,
+                    int64_t amx_min_rows) {
   TORCH_CHECK(x.dim() == 2, "qmm_vnni: x must be [rows, in]");
-  TORCH_CHECK(w.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat && offsets.scalar_type() == at::kFloat,
-              "qmm_vnni: w must be uint8, scales and offsets float32");
-  TORCH_CHECK(w.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(), "qmm_vnni: packed tensors must be contiguous");
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kLanes && scales.size(0) % kTilesPerStep == 0, "qmm_vnni: bad scales");
-  TORCH_CHECK(scales.size(0) * kLanes >= n_out, "qmm_vnni: fewer packed columns than n_out");
-  TORCH_CHECK(x.size(1) == scales.size(1) * group, "qmm_vnni: x's width does not match the packed weight");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(), "qmm_vnni: w must be contiguous uint8 [tiles, groups, bytes]");
+  TORCH_CHECK(f32.scalar_type() == at::kFloat && f32.is_contiguous() && sub.is_contiguous(), "qmm_vnni: bad scale tensors");
+  const int64_t tiles = w.size(0), groups = w.size(1);
+  TORCH_CHECK(tiles % kTilesPerStep == 0 && tiles * kLanes >= n_out, "qmm_vnni: bad tile count");
+  TORCH_CHECK(x.size(1) == groups * group, "qmm_vnni: x's width does not match the packed weight");
+  ScaleTable st{nullptr, nullptr, nullptr, groups, std::max<int64_t>(super_groups, 1)};
+  if (mode == kScaleF32) {
+    TORCH_CHECK(f32.numel() == tiles * groups * 2 * kLanes, "qmm_vnni: bad f32 scales");
+    st.f32 = f32.data_ptr<float>();
+  } else if (mode == kScaleF16) {
+    TORCH_CHECK(sub.scalar_type() == at::kShort && sub.numel() == tiles * groups * 2 * kLanes, "qmm_vnni: bad f16 scales");
+    st.f16 = reinterpret_cast<const uint16_t*>(sub.data_ptr<int16_t>());
+  } else {
+    TORCH_CHECK(mode == kScaleSuper, "qmm_vnni: unknown scale mode ", mode);
+    const int64_t supers = (groups + st.super_groups - 1) / st.super_groups;
+    TORCH_CHECK(f32.numel() == tiles * supers * 2 * kLanes, "qmm_vnni: bad super-block scales");
+    TORCH_CHECK(sub.scalar_type() == at::kChar && sub.numel() == tiles * groups * 2 * kLanes, "qmm_vnni: bad sub-scales");
+    st.f32 = f32.data_ptr<float>();
+    st.sub = sub.data_ptr<int8_t>();
+  }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), n_out}, x.options().dtype(at::kFloat));
   if (x.size(0) == 0) return out;
-  if (bits == 4 && group == 32) run<4, 32>(xf, w, scales, offsets, out, amx_min_rows);
-  else if (bits == 4 && group == 16) run<4, 16>(xf, w, scales, offsets, out, amx_min_rows);
-  else if (bits == 8 && group == 32) run<8, 32>(xf, w, scales, offsets, out, amx_min_rows);
-  else if (bits == 8 && group == 16) run<8, 16>(xf, w, scales, offsets, out, amx_min_rows);
+  if (bits == 4 && group == 32) dispatch_mode<4, 32>(xf, w, st, mode, tiles, out, amx_min_rows);
+  else if (bits == 4 && group == 16) dispatch_mode<4, 16>(xf, w, st, mode, tiles, out, amx_min_rows);
+  else if (bits == 8 && group == 32) dispatch_mode<8, 32>(xf, w, st, mode, tiles, out, amx_min_rows);
+  else if (bits == 8 && group == 16) dispatch_mode<8, 16>(xf, w, st, mode, tiles, out, amx_min_rows);
   else TORCH_CHECK(false, "qmm_vnni: unsupported bits/group ", bits, "/", group);
   return out;
 }
@@ -310,7 +364,8 @@ at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 }  // namespace
 
 TORCH_LIBRARY(dynaspec, m) {
-  m.def("qmm_vnni(Tensor x, Tensor w, Tensor scales, Tensor offsets, int n_out, int group, int bits, int amx_min_rows) -> Tensor");
+  m.def("qmm_vnni(Tensor x, Tensor w, Tensor f32, Tensor sub, int n_out, int group, int bits, int mode, int super_groups, "
+        "int amx_min_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dynaspec, CPU, m) { m.impl("qmm_vnni", &qmm_vnni); }
