@@ -1,9 +1,9 @@
 """`dynaspec bench qmatmul`: ms per linear-layer forward against rows, for each QuantLinear path.
 
 Speculative verification pushes batch x (K+1) rows through every layer, so what matters is the
-curve of cost against rows, not the one-row figure. Random weights of the target's real layer
-shapes, quantized like Q4_K (4-bit codes, groups of 32, scale and offset per group; `--bits 8`:
-Q8_0-like); each path runs the same weight. Paths are interleaved within every repeat and the
+curve of cost against rows, not the one-row figure. Weights are random valid GGUF blocks (default
+Q4_K, the target's main type) of the target's real layer shapes, decoded by `gguf_blocks`; every
+path runs the same weight (int4 only takes 4-bit types, int8 re-rounds, dense is bf16). Paths are interleaved within every repeat and the
 median is reported; each sample loops enough calls to last about a millisecond or more.
 """
 
@@ -24,6 +24,7 @@ SHAPES = {
     "down": (1536, 8960),
     "head": (151936, 1536),
 }
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 SAMPLE_S = 0.002  # a timing sample repeats the call to last at least this long
 
 
@@ -36,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--paths", default="dense,int4,int8,vnni", help="QuantLinear paths (dense = bf16 F.linear)"
     )
-    p.add_argument("--bits", type=int, default=4, choices=[4, 8], help="4: Q4_K-like, 8: Q8_0-like weights")
+    p.add_argument("--format", default="Q4_K", choices=FORMATS, help="GGUF block type of the random weights")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -49,8 +50,10 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    from gguf import GGMLQuantizationType
 
-    from dynaspec.models.qlinear import PATHS, QuantLinear, kernel_error, quantize_dense
+    from dynaspec.models.gguf_blocks import decode_blocks, random_blocks
+    from dynaspec.models.qlinear import INT4_GROUPS, PATHS, QuantLinear, kernel_error
 
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in SHAPES]
@@ -65,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if "vnni" in paths and kernel_error() is not None:
         print(f"skipping vnni: {kernel_error()}")
         paths.remove("vnni")
-    if args.bits != 4 and "int4" in paths:
-        paths.remove("int4")
+    qtype = GGMLQuantizationType[args.format]
     if args.repeats < 1:
         raise ValueError("--repeats: need >= 1")
     torch.set_num_threads(args.threads)
@@ -75,13 +77,14 @@ def run(args: argparse.Namespace) -> int:
     records, table = [], []
     for shape in shapes:
         n_out, n_in = SHAPES[shape]
-        weight = quantize_dense(torch.randn(n_out, n_in) * 0.02, args.bits)
-        layers = {p: QuantLinear(weight, path=p, dtype=torch.bfloat16) for p in paths}
+        weight = decode_blocks(random_blocks(qtype, (n_out, n_in), args.seed), qtype, (n_out, n_in))
+        takes = [p for p in paths if p != "int4" or (weight.bits == 4 and weight.group in INT4_GROUPS)]
+        layers = {p: QuantLinear(weight, path=p, dtype=torch.bfloat16) for p in takes}
         del weight
         for rows in rows_list:
             x = torch.randn(rows, n_in).bfloat16()
             calls = {p: _calls_per_sample(layer, x) for p, layer in layers.items()}
-            samples: dict[str, list[float]] = {p: [] for p in paths}
+            samples: dict[str, list[float]] = {p: [] for p in layers}
             with torch.inference_mode():
                 for _ in range(args.repeats):
                     for p, layer in layers.items():
@@ -90,13 +93,14 @@ def run(args: argparse.Namespace) -> int:
                             layer(x)
                         samples[p].append((time.perf_counter() - start) / calls[p])
             ms = {p: statistics.median(v) * 1e3 for p, v in samples.items()}
-            table.append([shape, rows, *(f"{ms[p]:.3f}" for p in paths)])
+            table.append([shape, rows, *(f"{ms[p]:.3f}" if p in ms else None for p in paths)])
             records += [
-                {"shape": shape, "out": n_out, "in": n_in, "rows": rows, "path": p, "ms": round(ms[p], 4)}
-                for p in paths
+                {"shape": shape, "out": n_out, "in": n_in, "rows": rows, "path": p, "ms": round(t, 4)}
+                for p, t in ms.items()
             ]
         del layers
         print(f"{shape} ({n_out}x{n_in}) done", flush=True)
+    print(f"ms per forward, median of {args.repeats}, {args.format} weights, {args.threads} threads")
     print(format_table(["shape", "rows", *(f"{p} ms" for p in paths)], table))
     write_result(
         args.result_file,
@@ -134,10 +138,12 @@ def _plot(records: list[dict], shapes: list[str], paths: list[str], path: str) -
     for ax, shape in zip(axes[0], shapes):
         for p in paths:
             pts = [(r["rows"], r["ms"]) for r in records if r["shape"] == shape and r["path"] == p]
-            ax.plot(*zip(*pts), marker="o", label=p)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=p)
         first = next(r for r in records if r["shape"] == shape)
         ax.set(title=f"{shape} {first['out']}x{first['in']}", xlabel="rows", xscale="log", yscale="log")
-        ax.set_xticks([r for r, _ in pts], [str(r) for r, _ in pts])
+        ticks = sorted({r["rows"] for r in records})
+        ax.set_xticks(ticks, [str(r) for r in ticks])
     axes[0][0].set_ylabel("ms per forward (median)")
     axes[0][0].legend()
     fig.tight_layout()
