@@ -57,7 +57,8 @@ def kernel_error() -> str | None:
         cpp_extension.load(
             name="dynaspec_qmatmul",
             sources=[str(KERNEL_SOURCE)],
-            extra_cflags=["-O3", "-march=native"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP in the headers
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
