@@ -126,15 +126,15 @@ inline void unpack_group(const uint8_t* wp, uint8_t* dst) {
   }
 }
 
-// Columns of tiles [tile, tile + kTilesPerStep) for all rows: acc [rows, kTilesPerStep * 16].
+// Columns of tiles [tile, tile + kTilesPerStep) for rows [r_begin, r_end): acc [r_end - r_begin, 32].
 template <int BITS, int G, int MODE>
 void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups,
-               const int8_t* xq, const float* xs, const float* xc, int64_t rows, int64_t n_in, float* acc) {
+               const int8_t* xq, const float* xs, const float* xc, int64_t r_begin, int64_t r_end, float* acc) {
   constexpr int kSteps = G / 4;  // vpdpbusd steps per group: 4 codes of each column per step
   constexpr int kTileBytes = BITS == 4 ? kLanes * G / 2 : kLanes * G;
   constexpr int kWidth = kTilesPerStep * kLanes;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  std::memset(acc, 0, sizeof(float) * rows * kWidth);
+  std::memset(acc, 0, sizeof(float) * (r_end - r_begin) * kWidth);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i wv[kTilesPerStep][kSteps];
     __m512 vs[kTilesPerStep], vo[kTilesPerStep];
@@ -152,7 +152,7 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
       }
       load_scales<MODE>(st, tile + n, g, vs[n], vo[n]);
     }
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = r_begin; r < r_end; ++r) {
       const int8_t* xr = xq + xq_at<G>(r, g, groups);
       __m512i dot[kTilesPerStep];
       for (int n = 0; n < kTilesPerStep; ++n) dot[n] = _mm512_setzero_si512();
@@ -162,7 +162,7 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
         const __m512i xb = _mm512_set1_epi32(four);
         for (int n = 0; n < kTilesPerStep; ++n) dot[n] = _mm512_dpbusd_epi32(dot[n], wv[n][s], xb);
       }
-      float* ar = acc + r * kWidth;
+      float* ar = acc + (r - r_begin) * kWidth;
       for (int n = 0; n < kTilesPerStep; ++n) {
         const __m512 a = _mm512_loadu_ps(ar + n * kLanes);
         _mm512_storeu_ps(ar + n * kLanes, epilogue(a, dot[n], vs[n], vo[n], xs[r * groups + g], xc[r * groups + g]));
@@ -199,7 +199,7 @@ bool amx_ready() {
 // latency overlaps; each group's sums still get the shared epilogue, in group order.
 template <int BITS, int G, int MODE>
 void amx_block(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups, const int8_t* xq,
-               const float* xs, const float* xc, int64_t r0, int64_t n_in, uint8_t* codes, int32_t* sums, float* acc) {
+               const float* xs, const float* xc, int64_t r0, uint8_t* codes, int32_t* sums, float* acc) {
   constexpr int kTileBytes = BITS == 4 ? kLanes * G / 2 : kLanes * G;
   constexpr int kCodeBytes = 64 * (G / 4);
   constexpr int kChunk = 4;
@@ -254,7 +254,7 @@ void amx_block(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
 }
 
 template <int BITS, int G, int MODE>
-void run_amx(const int8_t* xq, const float* xs, const float* xc, int64_t rows, int64_t padded_rows, int64_t n_in,
+void run_amx(const int8_t* xq, const float* xs, const float* xc, int64_t rows, int64_t amx_rows, int64_t n_in,
              const uint8_t* w, const ScaleTable& st, int64_t tiles, int64_t n_out, float* out) {
   const int64_t groups = n_in / G;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -270,8 +270,8 @@ void run_amx(const int8_t* xq, const float* xs, const float* xc, int64_t rows, i
       const int64_t col0 = t * kLanes;
       const int64_t width = std::min<int64_t>(kLanes, n_out - col0);
       if (width <= 0) continue;
-      for (int64_t r0 = 0; r0 < padded_rows; r0 += kAmxRows) {
-        amx_block<BITS, G, MODE>(w, st, t, groups, xq, xs, xc, r0, n_in, codes, sums, acc);
+      for (int64_t r0 = 0; r0 < amx_rows; r0 += kAmxRows) {
+        amx_block<BITS, G, MODE>(w, st, t, groups, xq, xs, xc, r0, codes, sums, acc);
         for (int64_t r = r0; r < std::min(rows, r0 + kAmxRows); ++r)
           std::memcpy(out + r * n_out + col0, acc + (r - r0) * kLanes, sizeof(float) * width);
       }
@@ -293,22 +293,28 @@ void run(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& st, int64_
   quantize_rows<G>(xf.data_ptr<float>(), rows, n_in, xq.data(), xs.data(), xc.data());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  // Rows [0, amx_rows) go through AMX tiles in blocks of 16, the rest through the VNNI loop: whole
+  // blocks where the remainder is too short to be worth a padded block.
+  int64_t amx_rows = 0;
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
   if (rows >= amx_min_rows && amx_ready()) {
-    run_amx<BITS, G, MODE>(xq.data(), xs.data(), xc.data(), rows, padded_rows, n_in, wp, st, tiles, n_out, op);
-    return;
+    const int64_t full = rows / kRowBlock * kRowBlock;
+    amx_rows = rows - full >= amx_min_rows ? padded_rows : full;
+    run_amx<BITS, G, MODE>(xq.data(), xs.data(), xc.data(), rows, amx_rows, n_in, wp, st, tiles, n_out, op);
   }
 #endif
+  if (amx_rows >= rows) return;
   constexpr int kWidth = kTilesPerStep * kLanes;
   at::parallel_for(0, tiles / kTilesPerStep, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(rows * kWidth);
+    std::vector<float> acc((rows - amx_rows) * kWidth);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t tile = p * kTilesPerStep;
-      tile_step<BITS, G, MODE>(wp, st, tile, groups, xq.data(), xs.data(), xc.data(), rows, n_in, acc.data());
+      tile_step<BITS, G, MODE>(wp, st, tile, groups, xq.data(), xs.data(), xc.data(), amx_rows, rows, acc.data());
       const int64_t col0 = tile * kLanes;
       const int64_t width = std::min<int64_t>(kWidth, n_out - col0);
       if (width <= 0) continue;
-      for (int64_t r = 0; r < rows; ++r) std::memcpy(op + r * n_out + col0, acc.data() + r * kWidth, sizeof(float) * width);
+      for (int64_t r = amx_rows; r < rows; ++r)
+        std::memcpy(op + r * n_out + col0, acc.data() + (r - amx_rows) * kWidth, sizeof(float) * width);
     }
   });
 }
