@@ -77,6 +77,14 @@ def default_path(weight: GroupedWeight) -> str:
     return "int8"
 
 
+def _kernel_bits(weight: GroupedWeight) -> int:
+    """How the kernel stores these codes: 4-bit types as nibbles, 5-bit groups of 32 and 6-bit
+    groups of 16 (Q5_0/Q5_1/Q5_K, Q6_K) as nibbles plus a plane of top bits, anything else as bytes."""
+    if weight.bits == 4 or (weight.bits, weight.group) in ((5, 32), (6, 16)):
+        return weight.bits
+    return 8
+
+
 def unsigned_form(weight: GroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes shifted to [0, 2**bits) and the offsets that go with them: w = scale * u + offset.
     Returns (u [out, in] uint8, offset [out, in // group] float32); the shift by a power of two
@@ -101,15 +109,30 @@ class _Vnni(nn.Module):
         groups, g = n_in // weight.group, weight.group
         self.n_out, self.group = out, g
         self.amx_min_rows = AMX_MIN_ROWS
-        self.bits = 4 if weight.bits == 4 else 8
+        self.bits = _kernel_bits(weight)
         u, offsets = unsigned_form(weight)
         pad = -out % KERNEL_COLUMN_MULTIPLE
         u = F.pad(u, (0, 0, 0, pad))
         tiles = (out + pad) // KERNEL_LANES
-        # [tiles, 16 columns, groups, steps, 4 codes] -> [tiles, groups, steps, 16, 4]
-        u = u.view(tiles, KERNEL_LANES, groups, g // 4, 4).permute(0, 2, 3, 1, 4)
-        if self.bits == 4:  # step s in the low nibble, step s + steps / 2 in the high nibble
-            u = u[:, :, : g // 8] | (u[:, :, g // 8 :] << 4)
+        # [tiles, 16 columns, groups, steps, 4 codes] -> [tiles, groups, steps, 64 bytes]
+        u = (
+            u.view(tiles, KERNEL_LANES, groups, g // 4, 4)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(tiles, groups, g // 4, 64)
+        )
+        if (
+            self.bits < 8
+        ):  # low nibbles: step s in the low half of a byte, step s + steps / 2 in the high half
+            low = u & 0x0F
+            packed = low[:, :, : g // 8] | (low[:, :, g // 8 :] << 4)  # [tiles, groups, steps / 2, 64]
+            parts = [packed.reshape(tiles, groups, -1)]
+            if self.bits > 4:  # then one 64-byte plane of every step's top bits, step s at bit s * width
+                width = self.bits - 4
+                plane = torch.zeros(tiles, groups, 64, dtype=torch.uint8)
+                for step in range(g // 4):
+                    plane |= (u[:, :, step] >> 4) << (width * step)
+                parts.append(plane)
+            u = torch.cat(parts, dim=-1)
         self.register_buffer("packed", u.reshape(tiles, groups, -1).contiguous())  # [tiles, groups, bytes]
         self.mode, f32, sub, self.super_groups = _scale_table(weight, offsets, pad)
         self.register_buffer("scales_f32", f32)

@@ -110,20 +110,48 @@ inline __m512 epilogue(__m512 acc, __m512i dot, __m512 scale, __m512 offset, flo
   return _mm512_fmadd_ps(offset, _mm512_set1_ps(xc), acc);
 }
 
-// The codes of one tile and group as vpdpbusd/tdpbsud operands: [kSteps][16 columns][4 codes].
+// Bytes of one tile and group of packed codes. 4 bits: two steps per byte (step s in the low
+// nibble, step s + steps / 2 in the high one); 5 and 6 bits: those nibbles, then one 64-byte plane
+// holding each step's top bits (5 bits: bit s of each byte is step s's fifth bit; 6 bits: bits
+// 2s..2s+1 are step s's top two bits); 8 bits: one byte per code.
+template <int BITS, int G>
+constexpr int tile_bytes() {
+  return BITS == 8 ? kLanes * G : BITS == 4 ? kLanes * G / 2 : kLanes * G / 2 + 64;
+}
+
+// The codes of one tile and group as vpdpbusd/tdpbsud operands: v[step] = [16 columns][4 codes].
+template <int BITS, int G>
+inline void decode_codes(const uint8_t* wp, __m512i (&v)[G / 4]) {
+  constexpr int kSteps = G / 4;
+  static_assert(BITS == 4 || BITS == 8 || (BITS == 5 && kSteps <= 8) || (BITS == 6 && kSteps <= 4), "unsupported packing");
+  if constexpr (BITS == 8) {
+    for (int s = 0; s < kSteps; ++s) v[s] = _mm512_loadu_si512(wp + 64 * s);
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int i = 0; i < kSteps / 2; ++i) {
+      const __m512i raw = _mm512_loadu_si512(wp + 64 * i);
+      v[i] = _mm512_and_si512(raw, low);
+      v[i + kSteps / 2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+    if constexpr (BITS > 4) {
+      constexpr int kWidthBits = BITS - 4;
+      const __m512i plane = _mm512_loadu_si512(wp + 32 * kSteps);
+      const __m512i mask = _mm512_set1_epi8(static_cast<char>(((1 << kWidthBits) - 1) << 4));
+      for (int s = 0; s < kSteps; ++s) {  // move the field at bit pos to bit 4 (16-bit shifts, then mask)
+        const int pos = kWidthBits * s;
+        const __m512i moved = pos <= 4 ? _mm512_slli_epi16(plane, 4 - pos) : _mm512_srli_epi16(plane, pos - 4);
+        v[s] = _mm512_or_si512(v[s], _mm512_and_si512(moved, mask));
+      }
+    }
+  }
+}
+
+// The same, stored for a tile load: [kSteps][64] bytes.
 template <int BITS, int G>
 inline void unpack_group(const uint8_t* wp, uint8_t* dst) {
-  constexpr int kSteps = G / 4;
-  if constexpr (BITS == 4) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int v = 0; v < kSteps / 2; ++v) {
-      const __m512i raw = _mm512_loadu_si512(wp + 64 * v);
-      _mm512_store_si512(dst + 64 * v, _mm512_and_si512(raw, low));
-      _mm512_store_si512(dst + 64 * (v + kSteps / 2), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
-    }
-  } else {
-    std::memcpy(dst, wp, 64 * kSteps);
-  }
+  __m512i v[G / 4];
+  decode_codes<BITS, G>(wp, v);
+  for (int s = 0; s < G / 4; ++s) _mm512_store_si512(dst + 64 * s, v[s]);
 }
 
 // Columns of tiles [tile, tile + kTilesPerStep) for rows [r_begin, r_end): acc [r_end - r_begin, 32].
@@ -131,25 +159,15 @@ template <int BITS, int G, int MODE>
 void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups,
                const int8_t* xq, const float* xs, const float* xc, int64_t r_begin, int64_t r_end, float* acc) {
   constexpr int kSteps = G / 4;  // vpdpbusd steps per group: 4 codes of each column per step
-  constexpr int kTileBytes = BITS == 4 ? kLanes * G / 2 : kLanes * G;
+  constexpr int kTileBytes = tile_bytes<BITS, G>();
   constexpr int kWidth = kTilesPerStep * kLanes;
-  const __m512i low = _mm512_set1_epi8(0x0F);
   std::memset(acc, 0, sizeof(float) * (r_end - r_begin) * kWidth);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i wv[kTilesPerStep][kSteps];
     __m512 vs[kTilesPerStep], vo[kTilesPerStep];
     for (int n = 0; n < kTilesPerStep; ++n) {
       const int64_t at = (tile + n) * groups + g;
-      const uint8_t* wp = w + at * kTileBytes;
-      if constexpr (BITS == 4) {
-        for (int v = 0; v < kSteps / 2; ++v) {  // low nibbles: step v, high nibbles: step v + kSteps / 2
-          const __m512i raw = _mm512_loadu_si512(wp + 64 * v);
-          wv[n][v] = _mm512_and_si512(raw, low);
-          wv[n][v + kSteps / 2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-        }
-      } else {
-        for (int s = 0; s < kSteps; ++s) wv[n][s] = _mm512_loadu_si512(wp + 64 * s);
-      }
+      decode_codes<BITS, G>(w + at * kTileBytes, wv[n]);
       load_scales<MODE>(st, tile + n, g, vs[n], vo[n]);
     }
     for (int64_t r = r_begin; r < r_end; ++r) {
@@ -200,7 +218,7 @@ bool amx_ready() {
 template <int BITS, int G, int MODE>
 void amx_block(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups, const int8_t* xq,
                const float* xs, const float* xc, int64_t r0, uint8_t* codes, int32_t* sums, float* acc) {
-  constexpr int kTileBytes = BITS == 4 ? kLanes * G / 2 : kLanes * G;
+  constexpr int kTileBytes = tile_bytes<BITS, G>();
   constexpr int kCodeBytes = 64 * (G / 4);
   constexpr int kChunk = 4;
   __m512 a[kAmxRows];
@@ -363,6 +381,8 @@ at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   else if (bits == 4 && group == 16) dispatch_mode<4, 16>(xf, w, st, mode, tiles, out, amx_min_rows);
   else if (bits == 8 && group == 32) dispatch_mode<8, 32>(xf, w, st, mode, tiles, out, amx_min_rows);
   else if (bits == 8 && group == 16) dispatch_mode<8, 16>(xf, w, st, mode, tiles, out, amx_min_rows);
+  else if (bits == 5 && group == 32) dispatch_mode<5, 32>(xf, w, st, mode, tiles, out, amx_min_rows);
+  else if (bits == 6 && group == 16) dispatch_mode<6, 16>(xf, w, st, mode, tiles, out, amx_min_rows);
   else TORCH_CHECK(false, "qmm_vnni: unsupported bits/group ", bits, "/", group);
   return out;
 }
