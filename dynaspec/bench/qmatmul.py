@@ -4,15 +4,20 @@ Speculative verification pushes batch x (K+1) rows through every layer, so what 
 curve of cost against rows, not the one-row figure. Weights are random valid GGUF blocks (default
 Q4_K, the target's main type) of the target's real layer shapes, decoded by `gguf_blocks`; every
 path runs the same weight (int4 only takes 4-bit types, int8 re-rounds, dense is bf16). Paths are interleaved within every repeat and the
-median is reported; each sample loops enough calls to last about a millisecond or more.
+median is reported; each sample loops enough calls to last about a millisecond or more. Path
+"ggml" (when the optional `ggml-python` package is installed) multiplies the same raw blocks with
+llama.cpp's own CPU kernels (a plain ggml context, float32 activations, the threads given).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import statistics
 import time
+
+import numpy as np
 
 from dynaspec.bench.common import format_table, write_result
 
@@ -35,7 +40,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     p.add_argument(
-        "--paths", default="dense,int4,int8,vnni", help="QuantLinear paths (dense = bf16 F.linear)"
+        "--paths",
+        default="dense,int4,int8,vnni,ggml",
+        help="QuantLinear paths (dense = bf16 F.linear) and ggml (skipped when ggml-python is missing)",
     )
     p.add_argument("--format", default="Q4_K", choices=FORMATS, help="GGUF block type of the random weights")
     p.add_argument("--repeats", type=int, default=7)
@@ -63,8 +70,11 @@ def run(args: argparse.Namespace) -> int:
     if not rows_list or min(rows_list) < 1:
         raise ValueError("--rows: need comma-separated integers >= 1")
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if any(p not in PATHS for p in paths):
-        raise ValueError(f"--paths: choose from {PATHS}")
+    if any(p not in (*PATHS, "ggml") for p in paths):
+        raise ValueError(f"--paths: choose from {(*PATHS, 'ggml')}")
+    if "ggml" in paths and _ggml_error() is not None:
+        print(f"skipping ggml: {_ggml_error()}")
+        paths.remove("ggml")
     if "vnni" in paths and kernel_error() is not None:
         print(f"skipping vnni: {kernel_error()}")
         paths.remove("vnni")
@@ -77,10 +87,16 @@ def run(args: argparse.Namespace) -> int:
     records, table = [], []
     for shape in shapes:
         n_out, n_in = SHAPES[shape]
-        weight = decode_blocks(random_blocks(qtype, (n_out, n_in), args.seed), qtype, (n_out, n_in))
+        raw = random_blocks(qtype, (n_out, n_in), args.seed)
+        weight = decode_blocks(raw, qtype, (n_out, n_in))
         takes = [p for p in paths if p != "int4" or (weight.bits == 4 and weight.group in INT4_GROUPS)]
-        layers = {p: QuantLinear(weight, path=p, dtype=torch.bfloat16) for p in takes}
-        del weight
+        layers = {
+            p: _GgmlLayer(raw, qtype, (n_out, n_in), rows_list, args.threads)
+            if p == "ggml"
+            else QuantLinear(weight, path=p, dtype=torch.bfloat16)
+            for p in takes
+        }
+        del weight, raw
         for rows in rows_list:
             x = torch.randn(rows, n_in).bfloat16()
             calls = {p: _calls_per_sample(layer, x) for p, layer in layers.items()}
@@ -114,6 +130,55 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(records, shapes, paths, args.plot)
     return 0
+
+
+def _ggml_error() -> str | None:
+    try:
+        import ggml  # noqa: F401
+    except (ImportError, OSError) as e:
+        return f"ggml-python is not usable ({type(e).__name__}: {e})"
+    return None
+
+
+class _GgmlLayer:
+    """llama.cpp's CPU matmul on the raw GGUF blocks: one ggml graph per row count, planned once;
+    a call copies x into the graph's float32 input and computes it."""
+
+    def __init__(
+        self, raw: np.ndarray, qtype, shape: tuple[int, int], rows_list: list[int], threads: int
+    ) -> None:
+        import ggml
+
+        self._ggml = ggml
+        n_out, n_in = shape
+        per_graph = ggml.ggml_graph_overhead() + (1 << 20)
+        mem = (
+            raw.nbytes
+            + sum(r * (n_in + n_out) * 4 for r in rows_list)
+            + len(rows_list) * per_graph
+            + (16 << 20)
+        )
+        self._ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=False))
+        weight = ggml.ggml_new_tensor_2d(self._ctx, int(qtype), n_in, n_out)
+        ctypes.memmove(ggml.ggml_get_data(weight), np.ascontiguousarray(raw).ctypes.data, raw.nbytes)
+        self._graphs = {}
+        for rows in rows_list:
+            x = ggml.ggml_new_tensor_2d(self._ctx, ggml.GGML_TYPE_F32, n_in, rows)
+            graph = ggml.ggml_new_graph(self._ctx)
+            ggml.ggml_build_forward_expand(graph, ggml.ggml_mul_mat(self._ctx, weight, x))
+            plan = ggml.ggml_graph_plan(graph, threads, None)
+            work = np.empty(max(plan.work_size, 1), dtype=np.uint8)  # kept alive with the plan
+            plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+            data = ctypes.cast(ggml.ggml_get_data(x), ctypes.POINTER(ctypes.c_float))
+            self._graphs[rows] = (graph, plan, work, np.ctypeslib.as_array(data, shape=(rows, n_in)))
+
+    def __call__(self, x) -> None:  # x [rows, in]; the result stays in the graph
+        graph, plan, _, x_in = self._graphs[x.shape[0]]
+        x_in[...] = x.float().numpy()
+        self._ggml.ggml_graph_compute(graph, ctypes.byref(plan))
+
+    def __del__(self) -> None:
+        self._ggml.ggml_free(self._ctx)
 
 
 def _calls_per_sample(layer, x) -> int:
