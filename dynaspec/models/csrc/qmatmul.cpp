@@ -1,0 +1,397 @@
+// Weight-only quantized matmul with int8 activations and AVX-512 VNNI integer dot products.
+//
+// Weights stay in their group-wise integer form (w = scale * code + offset, unsigned codes, 4-bit
+// packed two per byte or one byte per code), laid out by the Python packer in tiles of 16 output
+// columns: [tile][group][bytes], so one 512-bit register holds 4 consecutive codes of each of the
+// 16 columns, which is what vpdpbusd consumes. Each activation row is quantized to int8 per group
+// (scale = max|x| / 127). A group's weight tile is unpacked into registers once and then serves
+// every row of the call, so the cost per extra row is a few integer dot products, not a re-read
+// and re-unpack of the weights.
+//
+// With AMX (amx_int8), blocks of 16 rows go through tile dot products instead (tdpbsud: int8
+// activations x uint8 codes, one group per tile product); both paths produce the same exact int32
+// sum per group and apply the same float epilogue, so which one runs never changes a result.
+//
+// Batch invariance: a row's result depends only on that row (its own quantization, integer sums
+// that are exact, then a float epilogue per group in a fixed group order), never on how many rows
+// share the call or how columns are split between threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;      // output columns per tile: one register of int32 or float
+constexpr int kTilesPerStep = 2;  // tiles computed together (the packer pads columns to a multiple)
+
+constexpr int kRowBlock = 16;  // activation codes are stored in blocks of 16 rows (one AMX tile)
+
+// Offset of row r, group g in the blocked activation codes [rows / 16, groups, 16, G]: an AMX
+// activation tile is then 16 * G contiguous bytes.
+template <int G>
+inline int64_t xq_at(int64_t r, int64_t g, int64_t groups) {
+  return ((r / kRowBlock) * groups + g) * kRowBlock * G + (r % kRowBlock) * G;
+}
+
+// x [rows, in] float32 -> xq (blocked int8 codes, see xq_at), xs [rows, groups] (the group's
+// scale), xc [rows, groups] (scale * sum of the group's codes, which the offsets multiply).
+template <int G>
+void quantize_rows(const float* x, int64_t rows, int64_t n_in, int8_t* xq, float* xs, float* xc) {
+  const int64_t groups = n_in / G;
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* p = x + r * n_in + g * G;
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < G; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(p + i)));
+        const float m = _mm512_reduce_max_ps(amax);
+        const float scale = m / 127.0f;
+        const __m512 inv = _mm512_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+        int32_t sum = 0;
+        for (int i = 0; i < G; i += 16) {
+          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + i), inv));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + xq_at<G>(r, g, groups) + i), _mm512_cvtsepi32_epi8(q));
+          sum += _mm512_reduce_add_epi32(q);
+        }
+        xs[r * groups + g] = scale;
+        xc[r * groups + g] = scale * static_cast<float>(sum);
+      }
+    }
+  });
+}
+
+// How a tile's per-group scales and offsets are stored (the packer picks the smallest exact one):
+// float32 per group; float16 per group (the legacy GGUF types, whose d and m are f16); or the
+// K-quants' two levels, float32 (d, dmin) per super-block times int8 (sc, m) per group.
+enum ScaleMode : int64_t { kScaleF32 = 0, kScaleF16 = 1, kScaleSuper = 2 };
+
+struct ScaleTable {
+  const float* f32;     // kScaleF32: [tiles, groups, 2, 16]; kScaleSuper: [tiles, supers, 2, 16]
+  const uint16_t* f16;  // kScaleF16: [tiles, groups, 2, 16]
+  const int8_t* sub;    // kScaleSuper: [tiles, groups, 2, 16]
+  int64_t groups;
+  int64_t super_groups;  // groups per super-block (kScaleSuper)
+};
+
+// The scales (vs) and offsets (vo) of one tile and group, as float32; the same values in every mode.
+template <int MODE>
+inline void load_scales(const ScaleTable& t, int64_t tile, int64_t g, __m512& vs, __m512& vo) {
+  const int64_t at = (tile * t.groups + g) * 2 * kLanes;
+  if constexpr (MODE == kScaleF32) {
+    vs = _mm512_loadu_ps(t.f32 + at);
+    vo = _mm512_loadu_ps(t.f32 + at + kLanes);
+  } else if constexpr (MODE == kScaleF16) {
+    vs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.f16 + at)));
+    vo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.f16 + at + kLanes)));
+  } else {
+    const int64_t supers = (t.groups + t.super_groups - 1) / t.super_groups;
+    const float* d = t.f32 + (tile * supers + g / t.super_groups) * 2 * kLanes;
+    const auto ints = [](const int8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    vs = _mm512_mul_ps(_mm512_loadu_ps(d), ints(t.sub + at));
+    vo = _mm512_mul_ps(_mm512_loadu_ps(d + kLanes), ints(t.sub + at + kLanes));
+  }
+}
+
+// One group's contribution to a row's 16 outputs: acc + scale * (dot * xs) + offset * xc. Every
+// path ends each group with exactly these operations, in this order.
+inline __m512 epilogue(__m512 acc, __m512i dot, __m512 scale, __m512 offset, float xs, float xc) {
+  acc = _mm512_fmadd_ps(scale, _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xs)), acc);
+  return _mm512_fmadd_ps(offset, _mm512_set1_ps(xc), acc);
+}
+
+// Bytes of one tile and group of packed codes. 4 bits: two steps per byte (step s in the low
+// nibble, step s + steps / 2 in the high one); 5 and 6 bits: those nibbles, then one 64-byte plane
+// holding each step's top bits (5 bits: bit s of each byte is step s's fifth bit; 6 bits: bits
+// 2s..2s+1 are step s's top two bits); 8 bits: one byte per code.
+template <int BITS, int G>
+constexpr int tile_bytes() {
+  return BITS == 8 ? kLanes * G : BITS == 4 ? kLanes * G / 2 : kLanes * G / 2 + 64;
+}
+
+// The codes of one tile and group as vpdpbusd/tdpbsud operands: v[step] = [16 columns][4 codes].
+template <int BITS, int G>
+inline void decode_codes(const uint8_t* wp, __m512i (&v)[G / 4]) {
+  constexpr int kSteps = G / 4;
+  static_assert(BITS == 4 || BITS == 8 || (BITS == 5 && kSteps <= 8) || (BITS == 6 && kSteps <= 4), "unsupported packing");
+  if constexpr (BITS == 8) {
+    for (int s = 0; s < kSteps; ++s) v[s] = _mm512_loadu_si512(wp + 64 * s);
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int i = 0; i < kSteps / 2; ++i) {
+      const __m512i raw = _mm512_loadu_si512(wp + 64 * i);
+      v[i] = _mm512_and_si512(raw, low);
+      v[i + kSteps / 2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+    if constexpr (BITS > 4) {
+      constexpr int kWidthBits = BITS - 4;
+      const __m512i plane = _mm512_loadu_si512(wp + 32 * kSteps);
+      const __m512i mask = _mm512_set1_epi8(static_cast<char>(((1 << kWidthBits) - 1) << 4));
+      for (int s = 0; s < kSteps; ++s) {  // move the field at bit pos to bit 4 (16-bit shifts, then mask)
+        const int pos = kWidthBits * s;
+        const __m512i moved = pos <= 4 ? _mm512_slli_epi16(plane, 4 - pos) : _mm512_srli_epi16(plane, pos - 4);
+        v[s] = _mm512_or_si512(v[s], _mm512_and_si512(moved, mask));
+      }
+    }
+  }
+}
+
+// The same, stored for a tile load: [kSteps][64] bytes.
+template <int BITS, int G>
+inline void unpack_group(const uint8_t* wp, uint8_t* dst) {
+  __m512i v[G / 4];
+  decode_codes<BITS, G>(wp, v);
+  for (int s = 0; s < G / 4; ++s) _mm512_store_si512(dst + 64 * s, v[s]);
+}
+
+// Columns of tiles [tile, tile + kTilesPerStep) for rows [r_begin, r_end): acc [r_end - r_begin, 32].
+template <int BITS, int G, int MODE>
+void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups,
+               const int8_t* xq, const float* xs, const float* xc, int64_t r_begin, int64_t r_end, float* acc) {
+  constexpr int kSteps = G / 4;  // vpdpbusd steps per group: 4 codes of each column per step
+  constexpr int kTileBytes = tile_bytes<BITS, G>();
+  constexpr int kWidth = kTilesPerStep * kLanes;
+  std::memset(acc, 0, sizeof(float) * (r_end - r_begin) * kWidth);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i wv[kTilesPerStep][kSteps];
+    __m512 vs[kTilesPerStep], vo[kTilesPerStep];
+    for (int n = 0; n < kTilesPerStep; ++n) {
+      const int64_t at = (tile + n) * groups + g;
+      decode_codes<BITS, G>(w + at * kTileBytes, wv[n]);
+      load_scales<MODE>(st, tile + n, g, vs[n], vo[n]);
+    }
+    for (int64_t r = r_begin; r < r_end; ++r) {
+      const int8_t* xr = xq + xq_at<G>(r, g, groups);
+      __m512i dot[kTilesPerStep];
+      for (int n = 0; n < kTilesPerStep; ++n) dot[n] = _mm512_setzero_si512();
+      for (int s = 0; s < kSteps; ++s) {
+        int32_t four;
+        std::memcpy(&four, xr + 4 * s, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        for (int n = 0; n < kTilesPerStep; ++n) dot[n] = _mm512_dpbusd_epi32(dot[n], wv[n][s], xb);
+      }
+      float* ar = acc + (r - r_begin) * kWidth;
+      for (int n = 0; n < kTilesPerStep; ++n) {
+        const __m512 a = _mm512_loadu_ps(ar + n * kLanes);
+        _mm512_storeu_ps(ar + n * kLanes, epilogue(a, dot[n], vs[n], vo[n], xs[r * groups + g], xc[r * groups + g]));
+      }
+    }
+  }
+}
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+constexpr int kAmxRows = kRowBlock;  // rows per tile product (the activation tile's height)
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Asks the kernel for the AMX tile state once per process (Linux arch_prctl); false if refused.
+bool amx_ready() {
+  static bool ready = false;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    ready = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  });
+  return ready;
+}
+
+// Tile `tile` (16 columns) for rows [r0, r0 + 16) of the zero-padded xq: acc [16, 16] float32.
+// Tiles 0-3: int32 sums [16 rows, 16 columns] of four consecutive groups; 4-5: activations
+// [16 rows, G]; 6-7: codes [G / 4, 64]. Four groups are in flight at once so the tile unit's
+// latency overlaps; each group's sums still get the shared epilogue, in group order.
+template <int BITS, int G, int MODE>
+void amx_block(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups, const int8_t* xq,
+               const float* xs, const float* xc, int64_t r0, uint8_t* codes, int32_t* sums, float* acc) {
+  constexpr int kTileBytes = tile_bytes<BITS, G>();
+  constexpr int kCodeBytes = 64 * (G / 4);
+  constexpr int kChunk = 4;
+  __m512 a[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) a[r] = _mm512_setzero_ps();
+  const int8_t* xb = xq + xq_at<G>(r0, 0, groups);
+  for (int64_t g0 = 0; g0 < groups; g0 += kChunk) {
+    const int chunk = static_cast<int>(std::min<int64_t>(kChunk, groups - g0));
+    for (int j = 0; j < chunk; ++j) unpack_group<BITS, G>(w + (tile * groups + g0 + j) * kTileBytes, codes + j * kCodeBytes);
+    if (chunk == kChunk) {
+      _tile_loadd(4, xb + (g0 + 0) * kRowBlock * G, G);
+      _tile_loadd(6, codes + 0 * kCodeBytes, 64);
+      _tile_zero(0);
+      _tile_dpbsud(0, 4, 6);
+      _tile_loadd(5, xb + (g0 + 1) * kRowBlock * G, G);
+      _tile_loadd(7, codes + 1 * kCodeBytes, 64);
+      _tile_zero(1);
+      _tile_dpbsud(1, 5, 7);
+      _tile_loadd(4, xb + (g0 + 2) * kRowBlock * G, G);
+      _tile_loadd(6, codes + 2 * kCodeBytes, 64);
+      _tile_zero(2);
+      _tile_dpbsud(2, 4, 6);
+      _tile_loadd(5, xb + (g0 + 3) * kRowBlock * G, G);
+      _tile_loadd(7, codes + 3 * kCodeBytes, 64);
+      _tile_zero(3);
+      _tile_dpbsud(3, 5, 7);
+      _tile_stored(0, sums + 0 * kAmxRows * kLanes, 64);
+      _tile_stored(1, sums + 1 * kAmxRows * kLanes, 64);
+      _tile_stored(2, sums + 2 * kAmxRows * kLanes, 64);
+      _tile_stored(3, sums + 3 * kAmxRows * kLanes, 64);
+    } else {
+      for (int j = 0; j < chunk; ++j) {
+        _tile_loadd(4, xb + (g0 + j) * kRowBlock * G, G);
+        _tile_loadd(6, codes + j * kCodeBytes, 64);
+        _tile_zero(0);
+        _tile_dpbsud(0, 4, 6);
+        _tile_stored(0, sums + j * kAmxRows * kLanes, 64);
+      }
+    }
+    for (int j = 0; j < chunk; ++j) {
+      __m512 vs, vo;
+      load_scales<MODE>(st, tile, g0 + j, vs, vo);
+      const int32_t* sj = sums + j * kAmxRows * kLanes;
+#pragma GCC unroll 16
+      for (int r = 0; r < kAmxRows; ++r) {
+        const int64_t rg = (r0 + r) * groups + g0 + j;
+        a[r] = epilogue(a[r], _mm512_load_si512(sj + r * kLanes), vs, vo, xs[rg], xc[rg]);
+      }
+    }
+  }
+  for (int r = 0; r < kAmxRows; ++r) _mm512_storeu_ps(acc + r * kLanes, a[r]);
+}
+
+template <int BITS, int G, int MODE>
+void run_amx(const int8_t* xq, const float* xs, const float* xc, int64_t rows, int64_t amx_rows, int64_t n_in,
+             const uint8_t* w, const ScaleTable& st, int64_t tiles, int64_t n_out, float* out) {
+  const int64_t groups = n_in / G;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    TileConfig cfg;
+    for (int i = 0; i < 4; ++i) cfg.rows[i] = kAmxRows, cfg.colsb[i] = 64;
+    for (int i = 4; i < 6; ++i) cfg.rows[i] = kAmxRows, cfg.colsb[i] = G;
+    for (int i = 6; i < 8; ++i) cfg.rows[i] = G / 4, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+    alignas(64) uint8_t codes[4 * 64 * (G / 4)];
+    alignas(64) int32_t sums[4 * kAmxRows * kLanes];
+    alignas(64) float acc[kAmxRows * kLanes];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t col0 = t * kLanes;
+      const int64_t width = std::min<int64_t>(kLanes, n_out - col0);
+      if (width <= 0) continue;
+      for (int64_t r0 = 0; r0 < amx_rows; r0 += kAmxRows) {
+        amx_block<BITS, G, MODE>(w, st, t, groups, xq, xs, xc, r0, codes, sums, acc);
+        for (int64_t r = r0; r < std::min(rows, r0 + kAmxRows); ++r)
+          std::memcpy(out + r * n_out + col0, acc + (r - r0) * kLanes, sizeof(float) * width);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+template <int BITS, int G, int MODE>
+void run(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& st, int64_t tiles, at::Tensor& out,
+         int64_t amx_min_rows) {
+  const int64_t rows = xf.size(0), n_in = xf.size(1), n_out = out.size(1);
+  const int64_t groups = n_in / G;
+  // rows padded (with zeros) to whole AMX blocks; the padding rows are computed and dropped
+  const int64_t padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  std::vector<int8_t> xq(padded_rows * n_in, 0);
+  std::vector<float> xs(padded_rows * groups, 0.0f), xc(padded_rows * groups, 0.0f);
+  quantize_rows<G>(xf.data_ptr<float>(), rows, n_in, xq.data(), xs.data(), xc.data());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  // Rows [0, amx_rows) go through AMX tiles in blocks of 16, the rest through the VNNI loop: whole
+  // blocks where the remainder is too short to be worth a padded block.
+  int64_t amx_rows = 0;
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  if (rows >= amx_min_rows && amx_ready()) {
+    const int64_t full = rows / kRowBlock * kRowBlock;
+    amx_rows = rows - full >= amx_min_rows ? padded_rows : full;
+    run_amx<BITS, G, MODE>(xq.data(), xs.data(), xc.data(), rows, amx_rows, n_in, wp, st, tiles, n_out, op);
+  }
+#endif
+  if (amx_rows >= rows) return;
+  constexpr int kWidth = kTilesPerStep * kLanes;
+  at::parallel_for(0, tiles / kTilesPerStep, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> acc((rows - amx_rows) * kWidth);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t tile = p * kTilesPerStep;
+      tile_step<BITS, G, MODE>(wp, st, tile, groups, xq.data(), xs.data(), xc.data(), amx_rows, rows, acc.data());
+      const int64_t col0 = tile * kLanes;
+      const int64_t width = std::min<int64_t>(kWidth, n_out - col0);
+      if (width <= 0) continue;
+      for (int64_t r = amx_rows; r < rows; ++r)
+        std::memcpy(op + r * n_out + col0, acc.data() + (r - amx_rows) * kWidth, sizeof(float) * width);
+    }
+  });
+}
+
+template <int BITS, int G>
+void dispatch_mode(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& st, int64_t mode, int64_t tiles,
+                   at::Tensor& out, int64_t amx_min_rows) {
+  if (mode == kScaleF32) run<BITS, G, kScaleF32>(xf, w, st, tiles, out, amx_min_rows);
+  else if (mode == kScaleF16) run<BITS, G, kScaleF16>(xf, w, st, tiles, out, amx_min_rows);
+  else run<BITS, G, kScaleSuper>(xf, w, st, tiles, out, amx_min_rows);
+}
+
+// x [rows, in] (float32/bfloat16/float16); w [tiles, groups, tile bytes] uint8 -> [rows, n_out] float32.
+// scales by mode: kScaleF32: f32 [tiles, groups, 2, 16] (scale, offset), sub empty; kScaleF16: f32
+// empty, sub int16 [tiles, groups, 2, 16] (f16 bits); kScaleSuper: f32 [tiles, supers, 2, 16] (d,
+// dmin), sub int8 [tiles, groups, 2, 16] (sc, m). amx_min_rows: calls with at least this many rows
+// use AMX tiles where available (same results).
+at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& f32, const at::Tensor& sub,
+                    int64_t n_out, int64_t group, int64_t bits, int64_t mode, int64_t super_groups,
+                    int64_t amx_min_rows) {
+  TORCH_CHECK(x.dim() == 2, "qmm_vnni: x must be [rows, in]");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(), "qmm_vnni: w must be contiguous uint8 [tiles, groups, bytes]");
+  TORCH_CHECK(f32.scalar_type() == at::kFloat && f32.is_contiguous() && sub.is_contiguous(), "qmm_vnni: bad scale tensors");
+  const int64_t tiles = w.size(0), groups = w.size(1);
+  TORCH_CHECK(tiles % kTilesPerStep == 0 && tiles * kLanes >= n_out, "qmm_vnni: bad tile count");
+  TORCH_CHECK(x.size(1) == groups * group, "qmm_vnni: x's width does not match the packed weight");
+  ScaleTable st{nullptr, nullptr, nullptr, groups, std::max<int64_t>(super_groups, 1)};
+  if (mode == kScaleF32) {
+    TORCH_CHECK(f32.numel() == tiles * groups * 2 * kLanes, "qmm_vnni: bad f32 scales");
+    st.f32 = f32.data_ptr<float>();
+  } else if (mode == kScaleF16) {
+    TORCH_CHECK(sub.scalar_type() == at::kShort && sub.numel() == tiles * groups * 2 * kLanes, "qmm_vnni: bad f16 scales");
+    st.f16 = reinterpret_cast<const uint16_t*>(sub.data_ptr<int16_t>());
+  } else {
+    TORCH_CHECK(mode == kScaleSuper, "qmm_vnni: unknown scale mode ", mode);
+    const int64_t supers = (groups + st.super_groups - 1) / st.super_groups;
+    TORCH_CHECK(f32.numel() == tiles * supers * 2 * kLanes, "qmm_vnni: bad super-block scales");
+    TORCH_CHECK(sub.scalar_type() == at::kChar && sub.numel() == tiles * groups * 2 * kLanes, "qmm_vnni: bad sub-scales");
+    st.f32 = f32.data_ptr<float>();
+    st.sub = sub.data_ptr<int8_t>();
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), n_out}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0) return out;
+  if (bits == 4 && group == 32) dispatch_mode<4, 32>(xf, w, st, mode, tiles, out, amx_min_rows);
+  else if (bits == 4 && group == 16) dispatch_mode<4, 16>(xf, w, st, mode, tiles, out, amx_min_rows);
+  else if (bits == 8 && group == 32) dispatch_mode<8, 32>(xf, w, st, mode, tiles, out, amx_min_rows);
+  else if (bits == 8 && group == 16) dispatch_mode<8, 16>(xf, w, st, mode, tiles, out, amx_min_rows);
+  else if (bits == 5 && group == 32) dispatch_mode<5, 32>(xf, w, st, mode, tiles, out, amx_min_rows);
+  else if (bits == 6 && group == 16) dispatch_mode<6, 16>(xf, w, st, mode, tiles, out, amx_min_rows);
+  else TORCH_CHECK(false, "qmm_vnni: unsupported bits/group ", bits, "/", group);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dynaspec, m) {
+  m.def("qmm_vnni(Tensor x, Tensor w, Tensor f32, Tensor sub, int n_out, int group, int bits, int mode, int super_groups, "
+        "int amx_min_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dynaspec, CPU, m) { m.impl("qmm_vnni", &qmm_vnni); }

@@ -1,0 +1,316 @@
+"""Weight-only quantized linear layers built from the group-wise integer form of `gguf_blocks`.
+
+A `QuantLinear` keeps a GGUF tensor's own codes and scales and multiplies through one of four paths,
+chosen at construction:
+- "vnni": this package's C++ operator (csrc/qmatmul.cpp): int8 activations per group and AVX-512
+  VNNI dot products, so its cost grows slowly with rows (speculative verification) and each row's
+  result is independent of the batch. The default when it builds.
+- "int4": PyTorch's `_weight_int4pack_mm_for_cpu`, exact for 4-bit groups of 32 with float32
+  scales; it computes w = (q - 8) * scale + zero.
+- "int8": PyTorch's per-channel `_weight_int8pack_mm` after re-rounding the weights (lossy).
+- "dense": the dequantized weight in the compute dtype and `F.linear` (reference and fallback).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dynaspec.models.gguf_blocks import GroupedWeight, decode_reader_tensor
+
+KERNEL_SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cpp"
+KERNEL_LANES = 16  # output columns per packed tile of the C++ kernel
+KERNEL_COLUMN_MULTIPLE = 32  # the kernel computes two tiles at a time: columns are padded to this
+INT4_GROUPS = (32, 64, 128, 256)  # group sizes PyTorch's int4 kernel accepts
+INT4_INNER_K_TILES = 2
+PATHS = ("vnni", "int4", "int8", "dense")
+# calls with at least this many rows use AMX tiles when the CPU has them (identical results)
+AMX_MIN_ROWS = (
+    12  # measured crossover on a 1536x8960 layer: VNNI grows ~0.05 ms per row, an AMX block of 16 rows ~1 ms
+)
+SCALE_F32, SCALE_F16, SCALE_SUPER = 0, 1, 2  # the kernel's scale modes (csrc/qmatmul.cpp ScaleMode)
+NO_AMX = 2**62  # an amx_min_rows that keeps every call on the VNNI loop
+
+
+@functools.cache
+def kernel_error() -> str | None:
+    """None when the C++ operator is loaded (built on first use, cached in torch's extension
+    directory under the user cache), else why it is not available."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the VNNI kernel needs x86-64, not {platform.machine()}"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    missing = [flag for flag in ("avx512f", "avx512bw", "avx512_vnni") if flag not in flags]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name="dynaspec_qmatmul",
+            sources=[str(KERNEL_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP in the headers
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 (no compiler, any build failure: the built-in paths still work)
+        return f"building {KERNEL_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[-400:]}"
+    return None
+
+
+def default_path(weight: GroupedWeight) -> str:
+    """The fastest path that keeps this weight: the C++ kernel when it builds, else PyTorch's int4
+    kernel for 4-bit groups it accepts, else its per-channel int8 kernel."""
+    if kernel_error() is None:
+        return "vnni"
+    if weight.bits == 4 and weight.group in INT4_GROUPS:
+        return "int4"
+    return "int8"
+
+
+def _kernel_bits(weight: GroupedWeight) -> int:
+    """How the kernel stores these codes: 4-bit types as nibbles, 5-bit groups of 32 and 6-bit
+    groups of 16 (Q5_0/Q5_1/Q5_K, Q6_K) as nibbles plus a plane of top bits, anything else as bytes."""
+    if weight.bits == 4 or (weight.bits, weight.group) in ((5, 32), (6, 16)):
+        return weight.bits
+    return 8
+
+
+def unsigned_form(weight: GroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes shifted to [0, 2**bits) and the offsets that go with them: w = scale * u + offset.
+    Returns (u [out, in] uint8, offset [out, in // group] float32); the shift by a power of two
+    times the scale is exact in float32."""
+    if weight.offsets is not None:
+        return weight.codes.to(torch.uint8), weight.offsets
+    shift = 2 ** (weight.bits - 1)
+    return (weight.codes.to(torch.int16) + shift).to(torch.uint8), weight.scales * -shift
+
+
+class _Vnni(nn.Module):
+    """Packs the codes into 16-column tiles [tiles, groups, bytes] for csrc/qmatmul.cpp."""
+
+    def __init__(self, weight: GroupedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        error = kernel_error()
+        if error is not None:
+            raise ValueError(f"path 'vnni' is not available: {error}")
+        if weight.group % 8 or weight.group not in (16, 32):
+            raise ValueError(f"path 'vnni' takes groups of 16 or 32, not {weight.group}")
+        out, n_in = weight.shape
+        groups, g = n_in // weight.group, weight.group
+        self.n_out, self.group = out, g
+        self.amx_min_rows = AMX_MIN_ROWS
+        self.bits = _kernel_bits(weight)
+        u, offsets = unsigned_form(weight)
+        pad = -out % KERNEL_COLUMN_MULTIPLE
+        u = F.pad(u, (0, 0, 0, pad))
+        tiles = (out + pad) // KERNEL_LANES
+        # [tiles, 16 columns, groups, steps, 4 codes] -> [tiles, groups, steps, 64 bytes]
+        u = (
+            u.view(tiles, KERNEL_LANES, groups, g // 4, 4)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(tiles, groups, g // 4, 64)
+        )
+        if (
+            self.bits < 8
+        ):  # low nibbles: step s in the low half of a byte, step s + steps / 2 in the high half
+            low = u & 0x0F
+            packed = low[:, :, : g // 8] | (low[:, :, g // 8 :] << 4)  # [tiles, groups, steps / 2, 64]
+            parts = [packed.reshape(tiles, groups, -1)]
+            if self.bits > 4:  # then one 64-byte plane of every step's top bits, step s at bit s * width
+                width = self.bits - 4
+                plane = torch.zeros(tiles, groups, 64, dtype=torch.uint8)
+                for step in range(g // 4):
+                    plane |= (u[:, :, step] >> 4) << (width * step)
+                parts.append(plane)
+            u = torch.cat(parts, dim=-1)
+        self.register_buffer("packed", u.reshape(tiles, groups, -1).contiguous())  # [tiles, groups, bytes]
+        self.mode, f32, sub, self.super_groups = _scale_table(weight, offsets, pad)
+        self.register_buffer("scales_f32", f32)
+        self.register_buffer("scales_sub", sub)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out] float32
+        return torch.ops.dynaspec.qmm_vnni(
+            x,
+            self.packed,
+            self.scales_f32,
+            self.scales_sub,
+            self.n_out,
+            self.group,
+            self.bits,
+            self.mode,
+            self.super_groups,
+            self.amx_min_rows,
+        )
+
+
+def _scale_table(
+    weight: GroupedWeight,
+    offsets: torch.Tensor,  # [out, groups] float32: the unsigned form's offsets
+    pad: int,
+) -> tuple[int, torch.Tensor, torch.Tensor, int]:
+    """The smallest exact storage of the kernel's scales and offsets, in tiles of 16 columns:
+    (mode, f32 [tiles, groups or super-blocks, 2, 16], sub [tiles, groups, 2, 16], groups per
+    super-block). K-quants stream int8 sub-scales (2 bytes per group and column instead of 8);
+    types whose scales are f16 values stream them as f16."""
+
+    def tiled(*vs: torch.Tensor) -> torch.Tensor:  # k x [out, n] -> [tiles, n, k, 16]
+        v = F.pad(torch.stack(vs, dim=-1), (0, 0, 0, 0, 0, pad))
+        return v.view(-1, KERNEL_LANES, *v.shape[1:]).permute(0, 2, 3, 1).contiguous()
+
+    empty = torch.empty(0)
+    sb = weight.superblocks
+    if sb is not None:
+        dmin, m = (sb.dmin, sb.m) if weight.offsets is not None else (sb.d * -(2 ** (weight.bits - 1)), sb.sc)
+        return SCALE_SUPER, tiled(sb.d, dmin), tiled(sb.sc, m), sb.size
+    half = torch.stack([weight.scales, offsets]).half()
+    if torch.isfinite(half).all() and torch.equal(half.float(), torch.stack([weight.scales, offsets])):
+        return SCALE_F16, empty, tiled(half[0], half[1]).view(torch.int16), 1
+    return SCALE_F32, tiled(weight.scales.float(), offsets.float()), empty, 1
+
+
+class _Int4(nn.Module):
+    """PyTorch's int4 CPU kernel: w = (u - 8) * scale + zero, so zero = offset + 8 * scale."""
+
+    def __init__(self, weight: GroupedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        if weight.bits != 4 or weight.group not in INT4_GROUPS:
+            raise ValueError(
+                f"path 'int4' takes 4-bit codes in groups of {INT4_GROUPS}, not {weight.bits}-bit/{weight.group}"
+            )
+        u, offsets = unsigned_form(weight)
+        self.group, self.dtype = weight.group, dtype
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32), INT4_INNER_K_TILES)
+        self.register_buffer("packed", packed)  # [out, in // 2] uint8
+        zeros = offsets + 8 * weight.scales
+        self.register_buffer("scale_zeros", torch.stack([weight.scales.t(), zeros.t()], dim=-1).to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out] in self.dtype
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(self.dtype).contiguous(), self.packed, self.group, self.scale_zeros
+        )
+
+
+class _Int8(nn.Module):
+    """PyTorch's per-channel int8 kernel after re-rounding: scale = max|w| / 127 per output row."""
+
+    def __init__(self, weight: GroupedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        w = weight.dequantize()
+        scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0  # [out]
+        self.dtype = dtype
+        self.register_buffer("codes", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out] in self.dtype
+        return torch.ops.aten._weight_int8pack_mm(x.to(self.dtype).contiguous(), self.codes, self.scales)
+
+
+class _Dense(nn.Module):
+    """The dequantized weight in the compute dtype."""
+
+    def __init__(self, weight: GroupedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.register_buffer("weight", weight.dequantize().to(dtype))  # [out, in]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out] in self.dtype
+        return F.linear(x.to(self.dtype), self.weight)
+
+
+_IMPLS = {"vnni": _Vnni, "int4": _Int4, "int8": _Int8, "dense": _Dense}
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W held quantized; `path` None picks `default_path`. `dtype` is the compute
+    dtype of the built-in paths (their scales are stored in it); the output has x's dtype."""
+
+    def __init__(
+        self,
+        weight: GroupedWeight,
+        bias: torch.Tensor | None = None,  # [out]
+        path: str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        path = default_path(weight) if path is None else path
+        if path not in _IMPLS:
+            raise ValueError(f"path: {path!r} is not one of {PATHS}")
+        self.path = path
+        self.out_features, self.in_features = weight.shape
+        self.impl = _IMPLS[path](weight, dtype)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @classmethod
+    def from_parts(
+        cls,
+        codes: torch.Tensor,  # [out, in] int8 (symmetric) or uint8 (with offsets)
+        scales: torch.Tensor,  # [out, in // group]
+        offsets: torch.Tensor | None,  # [out, in // group] or None
+        group: int,
+        bias: torch.Tensor | None = None,  # [out]
+        bits: int | None = None,
+        **kwargs,
+    ) -> QuantLinear:
+        """From raw group-wise parts; `bits` defaults to the fewest that hold the codes."""
+        if bits is None:
+            lo, hi = int(codes.min()), int(codes.max())
+            bits = (
+                max(1, (hi - lo).bit_length())
+                if offsets is not None
+                else max(lo.bit_length(), hi.bit_length()) + 1
+            )
+        weight = GroupedWeight(
+            codes, scales.float(), None if offsets is None else offsets.float(), group, bits
+        )
+        return cls(weight, bias, **kwargs)
+
+    @classmethod
+    def from_gguf(cls, tensor, bias: torch.Tensor | None = None, **kwargs) -> QuantLinear:
+        """From a `gguf.GGUFReader` tensor of a quantized 2-D weight (dense types are refused)."""
+        weight = decode_reader_tensor(tensor)
+        if not isinstance(weight, GroupedWeight):
+            raise TypeError(f"{tensor.name}: {tensor.tensor_type.name} is not quantized; use nn.Linear")
+        return cls(weight, bias, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        flat = x.reshape(-1, self.in_features)
+        y = self.impl(flat)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
+
+
+def quantize_dense(weight: torch.Tensor, bits: int, group: int = 32) -> GroupedWeight:  # weight [out, in]
+    """Round-to-nearest group-wise quantization of a dense checkpoint's weight. 8 bits: symmetric
+    (int8 codes, scale = max|w| / 127, like Q8_0); fewer: affine (uint8 codes in [0, 2**bits), scale
+    = (max - min) / (2**bits - 1), offset = min, like Q4_1). Lower quality than a GGUF's own blocks,
+    whose K-quants search their scales."""
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits: {bits} is not in [2, 8]")
+    out, n_in = weight.shape
+    if n_in % group:
+        raise ValueError(f"group: {group} does not divide in_features {n_in}")
+    w = weight.detach().float().view(out, n_in // group, group)
+    if bits == 8:
+        scales = w.abs().amax(dim=-1) / 127.0  # [out, groups]
+        inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+        codes = (w * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return GroupedWeight(codes.view(out, n_in), scales, None, group, bits)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = (hi - lo) / (2**bits - 1)
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    codes = ((w - lo[..., None]) * inv[..., None]).round().clamp(0, 2**bits - 1).to(torch.uint8)
+    return GroupedWeight(codes.view(out, n_in), scales, lo, group, bits)

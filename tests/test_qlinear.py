@@ -1,0 +1,189 @@
+"""QuantLinear: every path against a float reference matmul, and batch invariance.
+
+Reference: x @ W^T in float64 with W the exact dequantized weight. Tolerances (relative Frobenius
+error of the output): "dense"/"int4" in float32 1e-5 (float rounding only); "int4"/"dense" in
+bfloat16 2e-2 (bf16 inputs, scales and output); "int8" 2e-2 (weights re-rounded per channel); "vnni"
+2e-2 (activations rounded to int8 per group of 16 or 32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from dynaspec.models.gguf_blocks import GroupedWeight, decode_blocks, random_blocks
+from dynaspec.models.qlinear import (
+    AMX_MIN_ROWS,
+    NO_AMX,
+    SCALE_F16,
+    SCALE_F32,
+    SCALE_SUPER,
+    QuantLinear,
+    default_path,
+    kernel_error,
+    quantize_dense,
+)
+
+ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
+OUT, IN = 80, 512  # 80 columns: not a multiple of the kernel's 32-column step
+needs_kernel = pytest.mark.skipif(
+    kernel_error() is not None, reason=f"C++ kernel unavailable: {kernel_error()}"
+)
+
+
+def _gguf_weight(qtype: T) -> GroupedWeight:
+    """Blocks as a GGUF file holds them: quantized by gguf where it can, else random valid bytes."""
+    if qtype in (T.Q4_0, T.Q8_0, T.Q5_0):
+        x = np.random.default_rng(int(qtype)).standard_normal((OUT, IN)).astype(np.float32) * 0.05
+        return decode_blocks(quants.quantize(x, qtype), qtype, (OUT, IN))
+    return decode_blocks(random_blocks(qtype, (OUT, IN), seed=int(qtype)), qtype, (OUT, IN))
+
+
+def _weight(kind: str) -> GroupedWeight:
+    if kind.startswith("gguf_"):
+        return _gguf_weight(T[kind[5:].upper()])
+    g = torch.Generator().manual_seed(0)
+    if kind == "q4_affine":  # Q4_K/Q4_1-like: uint8 codes with offsets, groups of 32
+        return GroupedWeight(
+            torch.randint(0, 16, (OUT, IN), generator=g, dtype=torch.uint8),
+            torch.rand(OUT, IN // 32, generator=g) * 0.01,
+            -torch.rand(OUT, IN // 32, generator=g) * 0.05,
+            32,
+            4,
+        )
+    if kind == "q4_sym":  # Q4_0-like
+        return GroupedWeight(
+            torch.randint(-8, 8, (OUT, IN), generator=g, dtype=torch.int8),
+            torch.rand(OUT, IN // 32, generator=g) * 0.01,
+            None,
+            32,
+            4,
+        )
+    if kind == "q6_k":  # signed 6-bit codes, groups of 16
+        return GroupedWeight(
+            torch.randint(-32, 32, (OUT, IN), generator=g, dtype=torch.int8),
+            torch.rand(OUT, IN // 16, generator=g) * 0.003,
+            None,
+            16,
+            6,
+        )
+    if kind == "q8_0":
+        return GroupedWeight(
+            torch.randint(-128, 128, (OUT, IN), generator=g, dtype=torch.int8),
+            torch.rand(OUT, IN // 32, generator=g) * 0.001,
+            None,
+            32,
+            8,
+        )
+    raise AssertionError(kind)
+
+
+KINDS = (
+    "q4_affine",
+    "q4_sym",
+    "q6_k",
+    "q8_0",
+    "gguf_q4_k",
+    "gguf_q5_k",
+    "gguf_q6_k",
+    "gguf_q4_0",
+    "gguf_q5_0",
+    "gguf_q8_0",
+)
+CASES = [  # (path, compute dtype, weight kinds, tolerance)
+    ("dense", torch.float32, KINDS, 1e-5),
+    ("dense", torch.bfloat16, KINDS, 2e-2),
+    ("int4", torch.float32, ("q4_affine", "q4_sym", "gguf_q4_k", "gguf_q4_0"), 1e-5),
+    ("int4", torch.bfloat16, ("q4_affine", "q4_sym", "gguf_q4_k", "gguf_q4_0"), 2e-2),
+    ("int8", torch.float32, KINDS, 2e-2),
+    ("vnni", torch.float32, KINDS, 2e-2),
+    ("vnni", torch.bfloat16, KINDS, 2e-2),
+]
+
+
+def _params():
+    for path, dtype, kinds, tol in CASES:
+        marks = [needs_kernel] if path == "vnni" else []
+        for kind in kinds:
+            yield pytest.param(path, dtype, kind, tol, id=f"{path}-{str(dtype)[6:]}-{kind}", marks=marks)
+
+
+@pytest.mark.parametrize("path,dtype,kind,tol", list(_params()))
+def test_path_matches_float_reference(path: str, dtype: torch.dtype, kind: str, tol: float) -> None:
+    weight = _weight(kind)
+    bias = torch.randn(OUT, generator=torch.Generator().manual_seed(1))
+    layer = QuantLinear(weight, bias, path=path, dtype=dtype)
+    x = torch.randn(max(ROWS), IN, generator=torch.Generator().manual_seed(2))
+    ref = x.double() @ weight.dequantize().double().t() + bias.double()
+    for rows in ROWS:
+        y = layer(x[:rows].to(dtype))
+        assert y.dtype == dtype and y.shape == (rows, OUT)
+        err = ((y.double() - ref[:rows]).norm() / ref[:rows].norm()).item()
+        assert err < tol, f"rows={rows}: relative error {err:.2e} >= {tol}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "amx_min_rows", [NO_AMX, 1, AMX_MIN_ROWS], ids=["vnni-only", "amx-always", "default"]
+)
+def test_vnni_is_batch_invariant(kind: str, dtype: torch.dtype, amx_min_rows: int) -> None:
+    """Row i alone (always the VNNI loop) equals row i inside a batch of any size, bitwise, whether
+    the batch ran through the VNNI loop or AMX tiles (the default path's promise)."""
+    layer = QuantLinear(_weight(kind), torch.randn(OUT), path="vnni")
+    x = torch.randn(max(ROWS), IN, generator=torch.Generator().manual_seed(3)).to(dtype)
+    layer.impl.amx_min_rows = NO_AMX
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(max(ROWS))])
+    layer.impl.amx_min_rows = amx_min_rows
+    for rows in (*ROWS, 17, 28, 40):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), f"rows={rows}"
+
+
+@needs_kernel
+def test_default_path_is_the_kernel() -> None:
+    assert default_path(_weight("q4_affine")) == "vnni"
+    assert QuantLinear(_weight("q6_k")).path == "vnni"
+
+
+@needs_kernel
+def test_kernel_streams_the_smallest_exact_scales() -> None:
+    modes = {
+        kind: QuantLinear(_weight(kind), path="vnni").impl.mode
+        for kind in ("q4_affine", "gguf_q4_k", "gguf_q6_k", "gguf_q8_0")
+    }
+    assert modes == {
+        "q4_affine": SCALE_F32,
+        "gguf_q4_k": SCALE_SUPER,
+        "gguf_q6_k": SCALE_SUPER,
+        "gguf_q8_0": SCALE_F16,
+    }
+
+
+def test_quantize_dense_round_trips() -> None:
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
+    for bits, tol in ((4, 0.5 / 15), (8, 0.5 / 127)):
+        q = quantize_dense(w, bits)
+        span = w.view(64, 8, 32).abs().amax(-1) * 2  # per group: max - min <= 2 max|w|
+        err = (q.dequantize() - w).abs().view(64, 8, 32).amax(-1)
+        assert (err <= span * tol * 1.001 + 1e-7).all()
+
+
+def test_from_parts_and_leading_dims() -> None:
+    weight = _weight("q4_affine")
+    layer = QuantLinear.from_parts(
+        weight.codes, weight.scales, weight.offsets, 32, path="dense", dtype=torch.float32
+    )
+    assert layer.impl.weight.shape == (OUT, IN)
+    x = torch.randn(2, 3, IN)
+    assert layer(x).shape == (2, 3, OUT)
+
+
+def test_unknown_path_is_refused() -> None:
+    with pytest.raises(ValueError, match="path"):
+        QuantLinear(_weight("q8_0"), path="fp8")
+    with pytest.raises(ValueError, match="int4"):
+        QuantLinear(_weight("q8_0"), path="int4")
