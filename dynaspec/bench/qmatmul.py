@@ -1,12 +1,13 @@
 """`dynaspec bench qmatmul`: ms per linear-layer forward against rows, for each QuantLinear path.
 
-Speculative verification pushes batch x (K+1) rows through every layer, so what matters is the
-curve of cost against rows, not the one-row figure. Weights are random valid GGUF blocks (default
-Q4_K, the target's main type) of the target's real layer shapes, decoded by `gguf_blocks`; every
-path runs the same weight (int4 only takes 4-bit types, int8 re-rounds, dense is bf16). Paths are interleaved within every repeat and the
-median is reported; each sample loops enough calls to last about a millisecond or more. Path
-"ggml" (when the optional `ggml-python` package is installed) multiplies the same raw blocks with
-llama.cpp's own CPU kernels (a plain ggml context, float32 activations, the threads given).
+Speculative verification pushes batch x (K+1) rows through every layer, so what matters is the curve
+of cost against rows, not the one-row figure. Weights are random valid GGUF blocks (default Q4_K,
+the target's main type) of the target's real layer shapes, decoded by `gguf_blocks`; every path runs
+the same weight (int4 only takes 4-bit types, int8 re-rounds, dense is bf16). Paths are interleaved
+within every repeat and the median is reported; each sample loops enough calls to last about a
+millisecond or more. Path "ggml" (when the optional `ggml-python` package is installed) multiplies
+the same raw blocks with llama.cpp's own CPU kernels (a plain ggml context, float32 activations, the
+threads given).
 """
 
 from __future__ import annotations

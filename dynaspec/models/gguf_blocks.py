@@ -179,7 +179,8 @@ def decode_blocks(
     decoder = _DECODERS.get(qtype)
     if decoder is None:
         raise ValueError(
-            f"{name}: GGUF type {qtype.name} is not supported (supported: {', '.join(t.name for t in SUPPORTED_TYPES)})"
+            f"{name}: GGUF type {qtype.name} is not supported "
+            f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})"
         )
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if n_in % block_size or raw.size != out * n_in // block_size * type_size:
