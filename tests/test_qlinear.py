@@ -147,6 +147,8 @@ def test_vnni_is_batch_invariant(kind: str, dtype: torch.dtype, amx_min_rows: in
 def test_default_path_is_the_kernel() -> None:
     assert default_path(_weight("q4_affine")) == "vnni"
     assert QuantLinear(_weight("q6_k")).path == "vnni"
+    wide_groups = quantize_dense(torch.randn(8, 256), 4, group=64)  # a group size the kernel does not take
+    assert default_path(wide_groups) == "int4"
 
 
 @needs_kernel
@@ -187,3 +189,20 @@ def test_unknown_path_is_refused() -> None:
         QuantLinear(_weight("q8_0"), path="fp8")
     with pytest.raises(ValueError, match="int4"):
         QuantLinear(_weight("q8_0"), path="int4")
+
+
+def test_from_gguf_reads_a_file(tmp_path) -> None:
+    from gguf import GGUFReader, GGUFWriter
+
+    raw = random_blocks(T.Q4_K, (OUT, IN))
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=T.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensor = GGUFReader(str(path)).tensors[0]
+    layer = QuantLinear.from_gguf(tensor, path="dense", dtype=torch.float32)
+    assert (layer.out_features, layer.in_features) == (OUT, IN)
+    assert torch.equal(layer.impl.weight, decode_blocks(raw, T.Q4_K, (OUT, IN)).dequantize())

@@ -25,6 +25,7 @@ from dynaspec.models.gguf_blocks import GroupedWeight, decode_reader_tensor
 
 KERNEL_SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cpp"
 KERNEL_LANES = 16  # output columns per packed tile of the C++ kernel
+KERNEL_GROUPS = (16, 32)  # group sizes the C++ kernel takes
 KERNEL_COLUMN_MULTIPLE = 32  # the kernel computes two tiles at a time: columns are padded to this
 INT4_GROUPS = (32, 64, 128, 256)  # group sizes PyTorch's int4 kernel accepts
 INT4_INNER_K_TILES = 2
@@ -70,7 +71,7 @@ def kernel_error() -> str | None:
 def default_path(weight: GroupedWeight) -> str:
     """The fastest path that keeps this weight: the C++ kernel when it builds, else PyTorch's int4
     kernel for 4-bit groups it accepts, else its per-channel int8 kernel."""
-    if kernel_error() is None:
+    if weight.group in KERNEL_GROUPS and kernel_error() is None:
         return "vnni"
     if weight.bits == 4 and weight.group in INT4_GROUPS:
         return "int4"
@@ -103,8 +104,8 @@ class _Vnni(nn.Module):
         error = kernel_error()
         if error is not None:
             raise ValueError(f"path 'vnni' is not available: {error}")
-        if weight.group % 8 or weight.group not in (16, 32):
-            raise ValueError(f"path 'vnni' takes groups of 16 or 32, not {weight.group}")
+        if weight.group not in KERNEL_GROUPS:
+            raise ValueError(f"path 'vnni' takes groups of {KERNEL_GROUPS}, not {weight.group}")
         out, n_in = weight.shape
         groups, g = n_in // weight.group, weight.group
         self.n_out, self.group = out, g

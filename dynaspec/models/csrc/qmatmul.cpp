@@ -1,9 +1,9 @@
 // Weight-only quantized matmul with int8 activations and AVX-512 VNNI integer dot products.
 //
-// Weights stay in their group-wise integer form (w = scale * code + offset, unsigned codes, 4-bit
-// packed two per byte or one byte per code), laid out by the Python packer in tiles of 16 output
-// columns: [tile][group][bytes], so one 512-bit register holds 4 consecutive codes of each of the
-// 16 columns, which is what vpdpbusd consumes. Each activation row is quantized to int8 per group
+// Weights stay in their group-wise integer form (w = scale * code + offset, unsigned codes: 4-bit
+// as nibbles, 5/6-bit as nibbles plus a plane of top bits, others one byte per code), laid out by
+// the Python packer in tiles of 16 output columns: [tile][group][bytes], so one 512-bit register
+// holds 4 consecutive codes of each of the 16 columns, which is what vpdpbusd consumes. Each activation row is quantized to int8 per group
 // (scale = max|x| / 127). A group's weight tile is unpacked into registers once and then serves
 // every row of the call, so the cost per extra row is a few integer dot products, not a re-read
 // and re-unpack of the weights.
