@@ -206,3 +206,13 @@ def test_from_gguf_reads_a_file(tmp_path) -> None:
     layer = QuantLinear.from_gguf(tensor, path="dense", dtype=torch.float32)
     assert (layer.out_features, layer.in_features) == (OUT, IN)
     assert torch.equal(layer.impl.weight, decode_blocks(raw, T.Q4_K, (OUT, IN)).dequantize())
+
+
+def test_without_the_kernel_the_built_in_paths_are_chosen(monkeypatch) -> None:
+    from dynaspec.models import qlinear
+
+    monkeypatch.setattr(qlinear, "kernel_error", lambda: "no compiler (test)")
+    assert default_path(_weight("gguf_q4_k")) == "int4"
+    assert default_path(_weight("gguf_q6_k")) == "int8"
+    with pytest.raises(ValueError, match="no compiler"):
+        QuantLinear(_weight("gguf_q4_k"), path="vnni")
