@@ -33,7 +33,11 @@ SHAPES = {
 }
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 SAMPLE_S = 0.002
-GGML_PATHS = ("ggml", "ggml-repack")  # a timing sample repeats the call to last at least this long
+GGML_PATHS = ("ggml", "ggml-repack")
+GGML_REPACK_FORMATS = (
+    "Q4_0",
+    "Q4_K",
+)  # formats ggml-python 0.0.45's CPU_REPACK takes (others crash it)  # a timing sample repeats the call to last at least this long
 
 
 def add_parser(sub) -> None:
@@ -93,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         raw = random_blocks(qtype, (n_out, n_in), args.seed)
         weight = decode_blocks(raw, qtype, (n_out, n_in))
         takes = [p for p in paths if p != "int4" or (weight.bits == 4 and weight.group in INT4_GROUPS)]
+        takes = [p for p in takes if p != "ggml-repack" or args.format in GGML_REPACK_FORMATS]
         layers = {
             p: _GgmlLayer(raw, qtype, (n_out, n_in), rows_list, args.threads, repack=p == "ggml-repack")
             if p in GGML_PATHS
