@@ -206,3 +206,32 @@ def test_from_gguf_reads_a_file(tmp_path) -> None:
     layer = QuantLinear.from_gguf(tensor, path="dense", dtype=torch.float32)
     assert (layer.out_features, layer.in_features) == (OUT, IN)
     assert torch.equal(layer.impl.weight, decode_blocks(raw, T.Q4_K, (OUT, IN)).dequantize())
+
+
+def test_without_the_kernel_the_built_in_paths_are_chosen(monkeypatch) -> None:
+    from dynaspec.models import qlinear
+
+    monkeypatch.setattr(qlinear, "kernel_error", lambda: "no compiler (test)")
+    assert default_path(_weight("gguf_q4_k")) == "int4"
+    assert default_path(_weight("gguf_q6_k")) == "int8"
+    with pytest.raises(ValueError, match="no compiler"):
+        QuantLinear(_weight("gguf_q4_k"), path="vnni")
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group,n_in", [(4, 32, 160), (6, 16, 96), (8, 32, 224)])
+def test_vnni_group_counts_off_the_amx_chunk(bits: int, group: int, n_in: int) -> None:
+    """5, 6 and 7 groups per row: the AMX loop's last chunk is partial; still equal to the VNNI loop."""
+    g = torch.Generator().manual_seed(5)
+    lo = -(2 ** (bits - 1))
+    codes = torch.randint(lo, -lo, (48, n_in), generator=g, dtype=torch.int16).to(torch.int8)
+    weight = GroupedWeight(codes, torch.rand(48, n_in // group, generator=g) * 0.01, None, group, bits)
+    layer = QuantLinear(weight, path="vnni")
+    x = torch.randn(20, n_in, generator=g)
+    layer.impl.amx_min_rows = 1
+    amx = layer(x)
+    layer.impl.amx_min_rows = NO_AMX
+    assert torch.equal(amx, layer(x))
+    ref = x.double() @ weight.dequantize().double().t()
+    assert ((amx.double() - ref).norm() / ref.norm()).item() < 2e-2
+    assert layer(x[:0]).shape == (0, 48)

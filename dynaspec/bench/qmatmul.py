@@ -7,7 +7,8 @@ the same weight (int4 only takes 4-bit types, int8 re-rounds, dense is bf16). Pa
 within every repeat and the median is reported; each sample loops enough calls to last about a
 millisecond or more. Path "ggml" (when the optional `ggml-python` package is installed) multiplies
 the same raw blocks with llama.cpp's own CPU kernels (a plain ggml context, float32 activations, the
-threads given).
+threads given); "ggml-repack" first loads them into ggml's CPU_REPACK buffer type (the interleaved
+layout llama.cpp itself uses for Q4_0/Q4_K/IQ4_NL on AVX-512).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ SHAPES = {
 }
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 SAMPLE_S = 0.002  # a timing sample repeats the call to last at least this long
+GGML_PATHS = ("ggml", "ggml-repack")
+GGML_REPACK_FORMATS = ("Q4_0", "Q4_K")  # formats ggml-python 0.0.45's CPU_REPACK takes (others crash it)
 
 
 def add_parser(sub) -> None:
@@ -42,8 +45,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     p.add_argument(
         "--paths",
-        default="dense,int4,int8,vnni,ggml",
-        help="QuantLinear paths (dense = bf16 F.linear) and ggml (skipped when ggml-python is missing)",
+        default="dense,int4,int8,vnni,ggml,ggml-repack",
+        help="QuantLinear paths (dense = bf16 F.linear) and ggml, ggml-repack (skipped without ggml-python)",
     )
     p.add_argument("--format", default="Q4_K", choices=FORMATS, help="GGUF block type of the random weights")
     p.add_argument("--repeats", type=int, default=7)
@@ -71,11 +74,11 @@ def run(args: argparse.Namespace) -> int:
     if not rows_list or min(rows_list) < 1:
         raise ValueError("--rows: need comma-separated integers >= 1")
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if any(p not in (*PATHS, "ggml") for p in paths):
-        raise ValueError(f"--paths: choose from {(*PATHS, 'ggml')}")
-    if "ggml" in paths and _ggml_error() is not None:
-        print(f"skipping ggml: {_ggml_error()}")
-        paths.remove("ggml")
+    if any(p not in (*PATHS, *GGML_PATHS) for p in paths):
+        raise ValueError(f"--paths: choose from {(*PATHS, *GGML_PATHS)}")
+    if any(p in GGML_PATHS for p in paths) and _ggml_error() is not None:
+        print(f"skipping {', '.join(GGML_PATHS)}: {_ggml_error()}")
+        paths = [p for p in paths if p not in GGML_PATHS]
     if "vnni" in paths and kernel_error() is not None:
         print(f"skipping vnni: {kernel_error()}")
         paths.remove("vnni")
@@ -91,9 +94,10 @@ def run(args: argparse.Namespace) -> int:
         raw = random_blocks(qtype, (n_out, n_in), args.seed)
         weight = decode_blocks(raw, qtype, (n_out, n_in))
         takes = [p for p in paths if p != "int4" or (weight.bits == 4 and weight.group in INT4_GROUPS)]
+        takes = [p for p in takes if p != "ggml-repack" or args.format in GGML_REPACK_FORMATS]
         layers = {
-            p: _GgmlLayer(raw, qtype, (n_out, n_in), rows_list, args.threads)
-            if p == "ggml"
+            p: _GgmlLayer(raw, qtype, (n_out, n_in), rows_list, args.threads, repack=p == "ggml-repack")
+            if p in GGML_PATHS
             else QuantLinear(weight, path=p, dtype=torch.bfloat16)
             for p in takes
         }
@@ -143,25 +147,37 @@ def _ggml_error() -> str | None:
 
 class _GgmlLayer:
     """llama.cpp's CPU matmul on the raw GGUF blocks: one ggml graph per row count, planned once;
-    a call copies x into the graph's float32 input and computes it."""
+    a call copies x into the graph's float32 input and computes it. `repack`: the weight lives in
+    the CPU_REPACK buffer type, which re-lays supported types out for its interleaved kernels."""
 
     def __init__(
-        self, raw: np.ndarray, qtype, shape: tuple[int, int], rows_list: list[int], threads: int
+        self, raw: np.ndarray, qtype, shape: tuple[int, int], rows_list: list[int], threads: int, repack: bool
     ) -> None:
         import ggml
 
         self._ggml = ggml
         n_out, n_in = shape
+        raw = np.ascontiguousarray(raw)
         per_graph = ggml.ggml_graph_overhead() + (1 << 20)
-        mem = (
-            raw.nbytes
-            + sum(r * (n_in + n_out) * 4 for r in rows_list)
-            + len(rows_list) * per_graph
-            + (16 << 20)
-        )
+        mem = sum(r * (n_in + n_out) * 4 for r in rows_list) + len(rows_list) * per_graph + (16 << 20)
+        self._weight_ctx = self._buffer = None
+        if repack:  # a tensor of its own in a CPU_REPACK buffer; setting its data re-lays it out
+            self._weight_ctx = ggml.ggml_init(
+                ggml.ggml_init_params(
+                    mem_size=ggml.ggml_tensor_overhead() * 4, mem_buffer=None, no_alloc=True
+                )
+            )
+            weight = ggml.ggml_new_tensor_2d(self._weight_ctx, int(qtype), n_in, n_out)
+            self._buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(
+                self._weight_ctx, _ggml_repack_buffer_type(ggml)
+            )
+            ggml.ggml_backend_tensor_set(weight, raw.ctypes.data, 0, raw.nbytes)
+        else:
+            mem += raw.nbytes
         self._ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=False))
-        weight = ggml.ggml_new_tensor_2d(self._ctx, int(qtype), n_in, n_out)
-        ctypes.memmove(ggml.ggml_get_data(weight), np.ascontiguousarray(raw).ctypes.data, raw.nbytes)
+        if not repack:
+            weight = ggml.ggml_new_tensor_2d(self._ctx, int(qtype), n_in, n_out)
+            ctypes.memmove(ggml.ggml_get_data(weight), raw.ctypes.data, raw.nbytes)
         self._graphs = {}
         for rows in rows_list:
             x = ggml.ggml_new_tensor_2d(self._ctx, ggml.GGML_TYPE_F32, n_in, rows)
@@ -180,6 +196,26 @@ class _GgmlLayer:
 
     def __del__(self) -> None:
         self._ggml.ggml_free(self._ctx)
+        if self._buffer is not None:
+            self._ggml.ggml_backend_buffer_free(self._buffer)
+            self._ggml.ggml_free(self._weight_ctx)
+
+
+def _ggml_repack_buffer_type(ggml) -> int:
+    """The CPU backend's CPU_REPACK buffer type, found through its extra-buffer-types hook."""
+    reg = ggml.ggml_backend_cpu_reg()
+    address = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    get_extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(address)
+    types = get_extra(ggml.ggml_backend_reg_dev_get(reg, 0))
+    found = []
+    while types[len(found)]:
+        found.append(types[len(found)])
+    for buft in found:
+        if ggml.ggml_backend_buft_name(buft) == b"CPU_REPACK":
+            return buft
+    raise ValueError(
+        f"ggml has no CPU_REPACK buffer type (has {[ggml.ggml_backend_buft_name(b) for b in found]})"
+    )
 
 
 def _calls_per_sample(layer, x) -> int:

@@ -16,6 +16,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QK_K = 256  # weights per K-quant super-block
+DECODE_CHUNK_BLOCKS = 1 << 13  # blocks decoded at a time, so the temporaries stay in cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +186,11 @@ def decode_blocks(
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if n_in % block_size or raw.size != out * n_in // block_size * type_size:
         raise ValueError(f"{name}: {raw.size} bytes do not hold a {qtype.name} tensor of shape {shape}")
-    q, scales, offsets, group, bits, sup = decoder(raw.reshape(-1, type_size))
+    blocks = raw.reshape(-1, type_size)
+    chunks = [
+        decoder(blocks[i : i + DECODE_CHUNK_BLOCKS]) for i in range(0, len(blocks), DECODE_CHUNK_BLOCKS)
+    ]
+    q, scales, offsets, group, bits, sup = _concat(chunks)
     groups = n_in // group
     superblocks = None
     if sup is not None:  # one super-block per GGUF block
@@ -212,6 +217,19 @@ def decode_blocks(
         bits=bits,
         superblocks=superblocks,
     )
+
+
+def _concat(chunks: list[tuple]) -> tuple:
+    """Join the decoders' per-chunk results along the block axis (arrays and tuples of arrays)."""
+
+    def join(parts: list):
+        if parts[0] is None or isinstance(parts[0], int):
+            return parts[0]
+        if isinstance(parts[0], tuple):
+            return tuple(join([p[i] for p in parts]) for i in range(len(parts[0])))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    return tuple(join([c[i] for c in chunks]) for i in range(len(chunks[0])))
 
 
 def _per_group(

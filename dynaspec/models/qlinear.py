@@ -3,8 +3,9 @@
 A `QuantLinear` keeps a GGUF tensor's own codes and scales and multiplies through one of four paths,
 chosen at construction:
 - "vnni": this package's C++ operator (csrc/qmatmul.cpp): int8 activations per group and AVX-512
-  VNNI dot products, so its cost grows slowly with rows (speculative verification) and each row's
-  result is independent of the batch. The default when it builds.
+  VNNI dot products (AMX int8 tiles for blocks of 16 rows, same results), so its cost grows slowly
+  with rows (speculative verification) and each row's result is independent of the batch. The
+  default when it builds (JIT, cached in torch's extension directory); else int4, else int8.
 - "int4": PyTorch's `_weight_int4pack_mm_for_cpu`, exact for 4-bit groups of 32 with float32
   scales; it computes w = (q - 8) * scale + zero.
 - "int8": PyTorch's per-channel `_weight_int8pack_mm` after re-rounding the weights (lossy).
@@ -30,10 +31,9 @@ KERNEL_COLUMN_MULTIPLE = 32  # the kernel computes two tiles at a time: columns 
 INT4_GROUPS = (32, 64, 128, 256)  # group sizes PyTorch's int4 kernel accepts
 INT4_INNER_K_TILES = 2
 PATHS = ("vnni", "int4", "int8", "dense")
-# calls with at least this many rows use AMX tiles when the CPU has them (identical results)
-AMX_MIN_ROWS = (
-    12  # measured crossover on a 1536x8960 layer: VNNI grows ~0.05 ms per row, an AMX block of 16 rows ~1 ms
-)
+# Calls with at least this many rows use AMX tiles when the CPU has them (identical results): the
+# measured crossover on a 1536x8960 Q4_K layer, 2 threads (VNNI ~0.03 ms per row, a 16-row AMX block ~0.5 ms).
+AMX_MIN_ROWS = 12
 SCALE_F32, SCALE_F16, SCALE_SUPER = 0, 1, 2  # the kernel's scale modes (csrc/qmatmul.cpp ScaleMode)
 NO_AMX = 2**62  # an amx_min_rows that keeps every call on the VNNI loop
 
