@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
         from transformers import AutoModelForCausalLM
 
         dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-        hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)), dtype=dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(
+            **resolve_model(args.model).transformers_kwargs(), dtype=dtype
+        ).eval()
     prompts = load_prompts(args.dataset, chat=True)
     pad_id = engine.tokenizer.eos_token_ids[0]
 

@@ -143,8 +143,12 @@ def _run_transformers(args, prompt_ids, totals) -> None:
     from dynaspec.models.loader import resolve_model
 
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    target = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)), dtype=dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.draft)), dtype=dtype).eval()
+    target = AutoModelForCausalLM.from_pretrained(
+        **resolve_model(args.model).transformers_kwargs(), dtype=dtype
+    ).eval()
+    draft = AutoModelForCausalLM.from_pretrained(
+        **resolve_model(args.draft).transformers_kwargs(), dtype=dtype
+    ).eval()
     for name in ("transformers plain", "transformers assisted"):
         totals[name] = {"tokens": 0, "wall": 0.0, "outputs": [], "accepted": 0, "drafts": 0, "per_pos": []}
     for ids in prompt_ids:

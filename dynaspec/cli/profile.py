@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "speculative_config": json.loads(json.dumps(spec.to_dict())),
         "dataset": args.dataset,
-        "dtype": str(engine.config.torch_dtype).replace("torch.", ""),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "quantization": engine.quantization,
     }
     profile = run_profile(engine, prompts, settings, meta)
     save_profile(profile, args.output)

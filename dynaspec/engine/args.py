@@ -17,7 +17,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
         default=None,
         help="JSON, or @path/to/file.json: method, model, num_speculative_tokens, ...",
     )
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="auto: a GGUF's own blocks (dense for HF directories); none: dense weights; int8/int4: "
+        "round-to-nearest at load, lower quality than a GGUF's own",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="activations (auto: float32 around quantized layers, bfloat16 for dense ones)",
+    )
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--max-num-seqs", type=int, default=32, help="cap on running requests")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -30,6 +42,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         speculative_config=args.speculative_config,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

@@ -20,8 +20,8 @@ from dynaspec.engine.scheduler import Scheduler
 from dynaspec.engine.types import KPolicy, StepRecord, StepTiming
 from dynaspec.kpolicy.config import SpeculativeConfig
 from dynaspec.kpolicy.policy import make_policy
-from dynaspec.models.llama import LlamaModel
-from dynaspec.models.loader import load_hf_dir, resolve_model
+from dynaspec.models.build import QUANTIZATIONS, effective_quantization
+from dynaspec.models.loader import DTYPES, compute_dtypes, load_model, resolve_model
 from dynaspec.models.tokenizer import IncrementalDetokenizer
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.spec_decode.proposer import ProposerContext, make_proposer
@@ -30,13 +30,14 @@ from dynaspec.spec_decode.stats import SpecStats
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(slots=True)
 class EngineConfig:
     model: str
-    dtype: str = "auto"  # auto: bfloat16 (the fast CPU/GPU choice); float32 is the exactness reference
+    # auto: float32 activations around quantized layers, bfloat16 for dense ones; KV cache bfloat16.
+    # float32 everywhere is the exactness reference.
+    dtype: str = "auto"
+    quantization: str = "auto"  # auto: a GGUF's own blocks, dense for HF directories; none, int8, int4
     device: str = "auto"  # auto: cuda if present, else cpu
     max_num_seqs: int = 32
     max_model_len: int | None = None  # default: the model's context, capped by the KV budget
@@ -50,6 +51,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization: must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}"
+            )
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: must be auto, cpu or cuda[:N]; got {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -71,10 +76,6 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype]
-
 
 @dataclass(slots=True)
 class EngineCounters:
@@ -95,17 +96,22 @@ class Recording:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        device, dtype = config.torch_device, config.torch_dtype
-        path = resolve_model(config.model, progress=config.progress)
-        model_config, weights, self.tokenizer = load_hf_dir(path)
-        self.model_config = model_config
+        device = config.torch_device
+        source = resolve_model(config.model, progress=config.progress)
+        self.tokenizer = source.tokenizer()
+        self.quantization = effective_quantization(config.quantization, source.is_gguf, device)
+        dtype, kv_dtype = compute_dtypes(config.dtype, self.quantization)
+        self.dtype, self.kv_dtype = dtype, kv_dtype
         self.proposer = make_proposer(
-            config.speculative_config, ProposerContext(self.tokenizer, dtype, device, config.block_size)
+            config.speculative_config,
+            ProposerContext(
+                self.tokenizer, dtype, device, config.block_size, config.quantization, kv_dtype, config.dtype
+            ),
         )
-        model = LlamaModel.from_weights(model_config, weights, dtype, device)
-        del weights
+        model = load_model(source, config.quantization, dtype, device, progress=config.progress)
+        model_config = self.model_config = model.config
 
-        bytes_per_token = kv_bytes_per_token(model_config, dtype) + self.proposer.kv_bytes_per_token()
+        bytes_per_token = kv_bytes_per_token(model_config, kv_dtype) + self.proposer.kv_bytes_per_token()
         num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // (bytes_per_token * config.block_size))
         capacity = num_blocks * config.block_size
         max_len = config.max_model_len or model_config.max_position_embeddings
@@ -114,7 +120,7 @@ class Engine:
             max_len = capacity
         self.max_model_len = max_len
         self.allocator = BlockAllocator(num_blocks, config.block_size)
-        self.runner = ModelRunner(model, num_blocks * config.block_size, config.block_size, dtype, device)
+        self.runner = ModelRunner(model, num_blocks * config.block_size, config.block_size, kv_dtype, device)
         self.proposer.allocate_kv(num_blocks * config.block_size)
         self._k_policy = make_policy(config.speculative_config) if config.speculative_config else None
         self.scheduler = Scheduler(

@@ -58,6 +58,16 @@ def allocate_kv_cache(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # per layer: k, v [num_slots, kv_heads, head_dim]
     shape = (num_slots, config.num_key_value_heads, config.head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(config.num_hidden_layers)
+        (_cache(shape, dtype, device), _cache(shape, dtype, device)) for _ in range(config.num_hidden_layers)
     ]
+
+
+def _cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's K or V cache. On the CPU its pages stay unwritten (not resident) until tokens
+    fill them, so the budget costs memory only as it is used; slots are always written before they
+    are read, except slot 0, which the grouped attention reads as padding: it starts at zero."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    cache = torch.empty(shape, dtype=dtype, device=device)
+    cache[0].zero_()
+    return cache

@@ -10,6 +10,7 @@ from dynaspec.engine.kv_cache import allocate_kv_cache
 from dynaspec.engine.types import Drafts, SchedulePlan
 from dynaspec.models.attention import build_attention_metadata
 from dynaspec.models.llama import LlamaModel
+from dynaspec.models.qlinear import kernel_error
 
 
 @dataclass(slots=True)
@@ -30,6 +31,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.kv_caches = allocate_kv_cache(model.config, num_slots, dtype, device)
+        # row-wise attention (batch invariant) where its C++ kernel runs
+        self.rowwise = (
+            device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and kernel_error() is None
+        )
 
     def forward(
         self, plan: SchedulePlan, drafts: Drafts
@@ -70,6 +75,7 @@ class ModelRunner:
             [r.block_ids for r in runs],
             self.block_size,
             self.device,
+            rowwise=self.rowwise,
         )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=self.device),

@@ -15,7 +15,6 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from pydantic.dataclasses import dataclass
 
 METHODS = ("draft_model", "ngram")
-QUANTIZATIONS = ("int8",)
 TABLE = "num_speculative_tokens_per_batch_size"
 
 
@@ -31,7 +30,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = Field(default=4, ge=1)
     dynamic_config_path: str | None = None  # a profile: K chosen by goodput
     hysteresis_steps: int = Field(default=3, ge=1)
-    draft_quantization: Literal["int8"] | None = None  # weight-only int8 drafter (drafts only: lossless)
+    # the drafter's --quantization (default: the target's); drafts only, so any choice stays lossless
+    draft_quantization: Literal["auto", "none", "int8", "int4"] | None = None
     draft_vocab_size: int | None = Field(
         default=None, ge=1
     )  # keep only the first N rows of the drafter's head

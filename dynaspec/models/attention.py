@@ -2,9 +2,13 @@
 
 Every scheduled token of a step is one row of a flat batch ``[num_tokens, ...]``. Each sequence
 contributes ``q_len`` new tokens at the end of a context of ``ctx_len`` tokens whose K/V live in
-cache slots named by its block table. Sequences are grouped by similar ``q_len`` (decodes with
-their drafts together, each prefill chunk alone) so padding stays small; a group runs as one
-batched scaled-dot-product attention over gathered K/V.
+cache slots named by its block table. Two implementations:
+- row-wise (CPU, when the C++ kernels build: csrc/attention.cpp): each query row attends to its
+  own sequence's keys in place, in a fixed order, so its result does not depend on the batch
+  (batch invariance: speculative verification gives the same numbers as plain decoding);
+- grouped (elsewhere): sequences are grouped by similar ``q_len`` (decodes with their drafts
+  together, each prefill chunk alone) so padding stays small, and a group runs as one batched
+  scaled-dot-product attention over gathered K/V.
 """
 
 from __future__ import annotations
@@ -32,10 +36,20 @@ class AttentionGroup:
 
 
 @dataclass(slots=True)
+class RowwisePlan:
+    slot_table: torch.Tensor  # [num_seqs, c_max] int64 cache slot of each context position; padding -> 0
+    row_seq: torch.Tensor  # [num_tokens] int64 sequence of each row
+    row_len: torch.Tensor  # [num_tokens] int64 keys each row sees (its position + 1)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot each new token's K/V is written to
-    groups: list[AttentionGroup]
-    out_index: torch.Tensor  # [num_tokens] int64 row of each token in the concatenated valid group outputs
+    groups: list[AttentionGroup]  # empty when rowwise is set
+    out_index: (
+        torch.Tensor | None
+    )  # [num_tokens] int64 row of each token in the concatenated valid group outputs
+    rowwise: RowwisePlan | None = None
 
 
 def build_attention_metadata(
@@ -44,6 +58,7 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    rowwise: bool = False,
 ) -> AttentionMetadata:
     """Plan attention for sequences whose new tokens are laid out back to back in the flat batch.
 
@@ -54,6 +69,16 @@ def build_attention_metadata(
     total = int(sum(q_lens))
     slots = [_slots(table, block_size, c) for c, table in zip(ctx_lens, block_tables)]  # [c] each
     slot_mapping = np.concatenate([s[c - q :] for s, q, c in zip(slots, q_lens, ctx_lens)])
+    if rowwise:
+        table = np.zeros((len(slots), max(ctx_lens)), dtype=np.int64)
+        for i, s in enumerate(slots):
+            table[i, : len(s)] = s
+        row_seq = np.repeat(np.arange(len(q_lens), dtype=np.int64), q_lens)
+        row_len = np.concatenate(
+            [np.arange(c - q + 1, c + 1, dtype=np.int64) for q, c in zip(q_lens, ctx_lens)]
+        )
+        plan = RowwisePlan(*(torch.from_numpy(a).to(device) for a in (table, row_seq, row_len)))
+        return AttentionMetadata(torch.from_numpy(slot_mapping).to(device), [], None, plan)
 
     short = [i for i, q in enumerate(q_lens) if q <= SHORT_QUERY_MAX]
     long = [i for i, q in enumerate(q_lens) if q > SHORT_QUERY_MAX]
@@ -120,8 +145,20 @@ def paged_attention(
 
     Gathers use index_select: advanced indexing on a large cache is ~300x slower on CPU.
     """
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    plan = meta.rowwise
+    if plan is not None:
+        out = torch.ops.dynaspec.paged_attention_rows(
+            q.float().contiguous(),
+            k_cache,
+            v_cache,
+            plan.slot_table,
+            plan.row_seq,
+            plan.row_len,
+            q.shape[-1] ** -0.5,
+        )
+        return out.to(q.dtype)
     outputs = []
     for g in meta.groups:
         b, q_max, c_max = g.batch, g.q_max, g.c_max

@@ -1,15 +1,10 @@
-"""GGUF -> Hugging Face directory conversion.
+"""GGUF metadata -> a small Hugging Face directory (config, generation config, tokenizer).
 
 A GGUF file (llama.cpp's format) holds quantized weights under llama.cpp's tensor names, the model
-hyperparameters and the tokenizer as metadata. `convert_gguf` turns one into a plain Hugging Face
-directory (config.json, generation_config.json, float32 safetensors, tokenizer files with the chat
-template), so that every later load is an ordinary directory load that needs no dequantization.
-
-Two details matter for getting the same model back:
-- llama.cpp's converter permutes the rows of the Q and K projections of `llama`-architecture
-  models (it pairs rotary dimensions (i, i + d/2) as adjacent rows, the GPT-J layout that its RoPE
-  kernel wants). Qwen2/Qwen3 files are written without that permutation. We undo it for `llama`.
-- A file without `output.weight` ties the output head to the token embedding.
+hyperparameters and the tokenizer as metadata. `convert_gguf` writes the metadata once into a
+directory beside the cache (kilobytes to a few megabytes, no weights); the weights are read from
+the GGUF file itself every time, memory-mapped and kept in their own blocks (`checkpoint.py`).
+A file without `output.weight` ties the output head to the token embedding.
 """
 
 from __future__ import annotations
@@ -17,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from safetensors.torch import save_file
 
 from dynaspec.models.config import ModelConfig
 
@@ -62,10 +57,8 @@ _LARGE_ARRAYS = (
     "tokenizer.ggml.scores",
 )
 
-# Largest safetensors shard written, in bytes: bounds the memory held while a shard is serialized.
-SHARD_BYTES = 2 * 1024**3
-
 SOURCE_RECORD = "dynaspec_source.json"
+FORMAT = 2  # of the directory convert_gguf writes; 1 held float32 safetensors
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -98,37 +91,6 @@ def read_metadata(reader: Any) -> dict[str, Any]:
         else:
             metadata[key] = field.contents()
     return metadata
-
-
-def unpermute_qk(
-    weight: np.ndarray,  # [num_heads * head_dim, hidden] or [num_heads * head_dim]
-    num_heads: int,
-) -> np.ndarray:  # same shape
-    """Undo llama.cpp's Q/K row permutation.
-
-    llama.cpp writes `w.reshape(h, 2, d // 2, ...).swapaxes(1, 2)` for each head's d rows; this is
-    the inverse, `reshape(h, d // 2, 2, ...).swapaxes(1, 2)`. Works for weights [h*d, in] and
-    biases [h*d].
-    """
-    head_dim = weight.shape[0] // num_heads
-    w = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
-    return w.swapaxes(1, 2).reshape(weight.shape)
-
-
-def dequantize_tensor(tensor: Any) -> np.ndarray:  # float32, [rows, cols] or [n]
-    """A GGUF tensor as float32, in PyTorch's shape order (GGUF lists dims innermost first)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    try:
-        data = dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError:
-        name = GGMLQuantizationType(tensor.tensor_type).name
-        raise ValueError(f"GGUF tensor {tensor.name!r} has unsupported type {name}") from None
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    data = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
-    # F32 tensors come back as views of the read-only memory map: copy those
-    return data if data.flags.writeable else data.copy()
 
 
 def hf_config_from_gguf(
@@ -203,22 +165,6 @@ def _shortest_float32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _plan_shards(sizes: list[tuple[str, int]]) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
-    used = 0
-    for gguf_name, nbytes in sizes:
-        if shards[-1] and used + nbytes > SHARD_BYTES:
-            shards.append([])
-            used = 0
-        shards[-1].append(gguf_name)
-        used += nbytes
-    return shards
-
-
-def _shard_file_name(index: int, count: int) -> str:
-    return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-
-
 def source_record(gguf_path: Path) -> dict[str, Any]:
     """What identifies a GGUF file for caching: absolute path, size and modification time."""
     stat = gguf_path.stat()
@@ -238,24 +184,141 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
-    """Convert a GGUF file into a Hugging Face directory at out_dir (replaced if present).
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str  # llama.cpp's name
+    shape: tuple[int, ...]  # PyTorch order (GGUF lists dims innermost first)
+    qtype: int  # GGMLQuantizationType
+    offset: int  # of the data, from the start of the file
+    n_bytes: int
 
-    Writes into a temporary sibling first and renames it into place, so out_dir is either absent
-    or complete. Returns out_dir.
-    """
-    from gguf import GGMLQuantizationType, GGUFReader
-    from tqdm import tqdm
 
-    gguf_path = Path(gguf_path)
-    out_dir = Path(out_dir)
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_STRING, _ARRAY = 8, 9
+_SHORT_ARRAY = 64  # longer metadata arrays (the tokenizer's) are skipped, not read
+
+
+def read_gguf_index(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """A GGUF file's metadata (arrays longer than a few dozen items given as their length) and its
+    tensor table, read straight from the header: `gguf.GGUFReader` builds Python objects for every
+    vocabulary entry and takes seconds where this takes milliseconds."""
+    import mmap
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    path = Path(path)
     try:
-        reader = GGUFReader(str(gguf_path))
+        with open(path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        value = struct.unpack_from(fmt, buf, pos)[0]
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        pos += n
+        return bytes(buf[pos - n : pos]).decode("utf-8", errors="replace")
+
+    def value(kind: int):
+        nonlocal pos
+        if kind in _SCALARS:
+            return take(_SCALARS[kind])
+        if kind == _STRING:
+            return string()
+        if kind != _ARRAY:
+            raise ValueError(f"unknown metadata type {kind}")
+        inner, count = take("<I"), take("<Q")
+        if count <= _SHORT_ARRAY:
+            return [value(inner) for _ in range(count)]
+        if inner in _SCALARS:
+            pos += count * struct.calcsize(_SCALARS[inner])
+        else:
+            for _ in range(count):
+                value(inner)
+        return count
+
+    try:
+        with buf:
+            if bytes(buf[:4]) != b"GGUF":
+                raise ValueError("bad magic")
+            pos = 4
+            version, n_tensors, n_kv = take("<I"), take("<Q"), take("<Q")
+            if version < 2:
+                raise ValueError(f"GGUF version {version} is not supported")
+            metadata = {}
+            for _ in range(n_kv):
+                key = string()
+                metadata[key] = value(take("<I"))
+            raw_infos = []
+            for _ in range(n_tensors):
+                name = string()
+                dims = [take("<Q") for _ in range(take("<I"))]
+                raw_infos.append((name, dims, take("<I"), take("<Q")))
+            align = int(metadata.get("general.alignment", 32))
+            start = pos + (-pos % align)
+            size = len(buf)
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+    tensors = []
+    for name, dims, qtype, offset in raw_infos:
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        except (ValueError, KeyError):
+            raise ValueError(f"{path}: tensor {name} has unknown type {qtype}") from None
+        n_elements = int(np.prod(dims)) if dims else 1
+        n_bytes = n_elements // block * type_size
+        if start + offset + n_bytes > size:
+            raise ValueError(f"{path}: tensor {name} lies past the end of the file")
+        tensors.append(TensorInfo(name, tuple(reversed(dims)), qtype, start + offset, n_bytes))
+    return metadata, tensors
+
+
+def open_gguf(gguf_path: str | Path) -> Any:
+    """A `gguf.GGUFReader` over the memory-mapped file; a ValueError naming the file if it is unreadable."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(gguf_path))
     except FileNotFoundError:
         raise ValueError(f"{gguf_path}: no such file") from None
     except Exception as e:  # the reader raises ValueError/struct errors/... on a malformed file
         raise ValueError(f"{gguf_path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Write a GGUF file's config, generation config and tokenizer as a Hugging Face directory at
+    out_dir (replaced if present); the weights stay in the GGUF file.
+
+    Writes into a temporary sibling first and renames it into place, so out_dir is either absent
+    or complete. Checks every tensor's name now, so an unsupported file fails before any loading.
+    Returns out_dir.
+    """
+    from gguf import GGMLQuantizationType
+
+    gguf_path = Path(gguf_path)
+    out_dir = Path(out_dir)
+    reader = open_gguf(gguf_path)
     metadata = read_metadata(reader)
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -266,7 +329,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     names = {t.name: hf_tensor_name(t.name) for t in reader.tensors}
     shapes = {names[t.name]: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     config = hf_config_from_gguf(metadata, shapes)
-    ModelConfig.from_hf_dict(config)  # fail now, not after minutes of dequantizing
+    ModelConfig.from_hf_dict(config)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
@@ -274,36 +337,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     tmp_dir.mkdir()
     try:
         _write_tokenizer(gguf_path, tmp_dir)
-        tensors = {t.name: t for t in reader.tensors}
-        shards = _plan_shards([(t.name, 4 * int(t.n_elements)) for t in reader.tensors])
-        weight_map: dict[str, str] = {}
-        bar = tqdm(
-            total=len(reader.tensors),
-            desc=f"converting {gguf_path.name}",
-            unit="tensor",
-            disable=not progress,
-        )
-        for index, shard in enumerate(shards):
-            file_name = _shard_file_name(index, len(shards))
-            state: dict[str, torch.Tensor] = {}
-            for gguf_name in shard:
-                weight = dequantize_tensor(tensors[gguf_name])
-                if arch == "llama" and ".attn_q." in gguf_name:
-                    weight = unpermute_qk(weight, config["num_attention_heads"])
-                elif arch == "llama" and ".attn_k." in gguf_name:
-                    weight = unpermute_qk(weight, config["num_key_value_heads"])
-                state[names[gguf_name]] = torch.from_numpy(np.ascontiguousarray(weight))
-                weight_map[names[gguf_name]] = file_name
-                bar.update(1)
-            save_file(state, str(tmp_dir / file_name), metadata={"format": "pt"})
-            del state
-        bar.close()
-        if len(shards) > 1:
-            index_json = {
-                "metadata": {"total_size": sum(4 * int(t.n_elements) for t in reader.tensors)},
-                "weight_map": dict(sorted(weight_map.items())),
-            }
-            (tmp_dir / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
         (tmp_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
         (tmp_dir / "generation_config.json").write_text(
@@ -311,6 +344,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         )
         types = Counter(GGMLQuantizationType(t.tensor_type).name for t in reader.tensors)
         record = source_record(gguf_path) | {
+            "format": FORMAT,
             "name": metadata.get("general.name"),
             "architecture": arch,
             "tensor_types": dict(sorted(types.items())),

@@ -263,3 +263,54 @@ def decode_reader_tensor(tensor) -> GroupedWeight | torch.Tensor:
     """A `gguf.GGUFReader` tensor of a 2-D weight -> GroupedWeight (or dense float32 [out, in])."""
     n_in, out = (int(n) for n in tensor.shape)
     return decode_blocks(tensor.data, tensor.tensor_type, (out, n_in), tensor.name)
+
+
+def _map_rows(weights: list[GroupedWeight], fn) -> GroupedWeight:
+    """One GroupedWeight whose every per-row tensor (all have the output rows first) is `fn` of that
+    tensor in each of `weights` (all of one layout)."""
+    first, sb = weights[0], weights[0].superblocks
+
+    def each(get):
+        return fn([get(w) for w in weights])
+
+    return GroupedWeight(
+        codes=each(lambda w: w.codes),
+        scales=each(lambda w: w.scales),
+        offsets=None if first.offsets is None else each(lambda w: w.offsets),
+        group=first.group,
+        bits=first.bits,
+        superblocks=None
+        if sb is None
+        else SuperBlocks(
+            size=sb.size,
+            d=each(lambda w: w.superblocks.d),
+            sc=each(lambda w: w.superblocks.sc),
+            dmin=None if sb.dmin is None else each(lambda w: w.superblocks.dmin),
+            m=None if sb.m is None else each(lambda w: w.superblocks.m),
+        ),
+    )
+
+
+def select_rows(weight: GroupedWeight, index: torch.Tensor) -> GroupedWeight:
+    """The output rows `index` of a weight (a permutation, or a prefix for a pruned head)."""
+    return _map_rows([weight], lambda ts: ts[0].index_select(0, index))
+
+
+def layout(weight: GroupedWeight) -> tuple:
+    """What must agree for two weights' rows to be stacked into one layer."""
+    sb = weight.superblocks
+    return (
+        weight.codes.dtype,
+        weight.codes.shape[1],
+        weight.group,
+        weight.bits,
+        weight.offsets is None,
+        None if sb is None else (sb.size, sb.dmin is None),
+    )
+
+
+def concat_rows(weights: list[GroupedWeight]) -> GroupedWeight:
+    """Weights of one layout stacked along the output rows (fused q/k/v or gate/up)."""
+    if len({layout(w) for w in weights}) != 1:
+        raise ValueError("concat_rows: the weights differ in layout")
+    return weights[0] if len(weights) == 1 else _map_rows(weights, torch.cat)

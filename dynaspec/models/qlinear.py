@@ -24,7 +24,7 @@ from torch import nn
 
 from dynaspec.models.gguf_blocks import GroupedWeight, decode_reader_tensor
 
-KERNEL_SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cpp"
+KERNEL_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("qmatmul.cpp", "attention.cpp")]
 KERNEL_LANES = 16  # output columns per packed tile of the C++ kernel
 KERNEL_GROUPS = (16, 32)  # group sizes the C++ kernel takes
 KERNEL_COLUMN_MULTIPLE = 32  # the kernel computes two tiles at a time: columns are padded to this
@@ -40,8 +40,8 @@ NO_AMX = 2**62  # an amx_min_rows that keeps every call on the VNNI loop
 
 @functools.cache
 def kernel_error() -> str | None:
-    """None when the C++ operator is loaded (built on first use, cached in torch's extension
-    directory under the user cache), else why it is not available."""
+    """None when the C++ operators (quantized matmul, row-wise paged attention) are loaded (built on
+    first use, cached in torch's extension directory under the user cache), else why they are not."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the VNNI kernel needs x86-64, not {platform.machine()}"
     try:
@@ -57,14 +57,14 @@ def kernel_error() -> str | None:
 
         cpp_extension.load(
             name="dynaspec_qmatmul",
-            sources=[str(KERNEL_SOURCE)],
+            sources=[str(p) for p in KERNEL_SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP in the headers
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
     except Exception as e:  # no compiler, any build failure: the built-in paths still work
-        return f"building {KERNEL_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[-400:]}"
+        return f"building the C++ kernels failed: {type(e).__name__}: {str(e).strip()[-400:]}"
     return None
 
 

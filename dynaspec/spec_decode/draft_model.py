@@ -18,9 +18,8 @@ from dynaspec.engine.kv_cache import kv_bytes_per_token
 from dynaspec.engine.runner import ModelRunner, TokenRun
 from dynaspec.engine.sampler import SamplingTensors, processed_probs
 from dynaspec.engine.types import DraftPass, Drafts, SchedulePlan, StepResult
-from dynaspec.models.llama import LlamaModel
-from dynaspec.models.loader import load_hf_dir, load_tokenizer, resolve_model
-from dynaspec.models.quant import quantize_int8_
+from dynaspec.models.build import effective_quantization
+from dynaspec.models.loader import compute_dtypes, load_model, resolve_model
 from dynaspec.spec_decode.proposer import Proposer, ProposerContext, register_proposer
 
 
@@ -28,20 +27,21 @@ from dynaspec.spec_decode.proposer import Proposer, ProposerContext, register_pr
 class DraftModelProposer(Proposer):
     def __init__(self, spec_config, ctx: ProposerContext) -> None:
         super().__init__(ctx)
-        path = resolve_model(spec_config.model)
-        if not load_tokenizer(path).same_vocabulary(ctx.target_tokenizer):
+        source = resolve_model(spec_config.model)
+        if not source.tokenizer().same_vocabulary(ctx.target_tokenizer):
             raise ValueError(
                 f"speculative_config.model: the draft model {spec_config.model!r} uses a different "
                 "tokenizer from the target's; draft and target must share a vocabulary"
             )
-        config, weights, _ = load_hf_dir(path)
-        self.model = LlamaModel.from_weights(config, weights, ctx.dtype, ctx.device)
-        del weights
-        self.vocab_size = config.vocab_size  # the verifier's q needs the full vocabulary
-        if spec_config.draft_vocab_size is not None:
-            self.model.truncate_lm_head(spec_config.draft_vocab_size)
-        if spec_config.draft_quantization == "int8":
-            quantize_int8_(self.model)
+        # the drafter loads like the target, in the target's --quantization unless
+        # draft_quantization says otherwise (drafts may be anything: verification keeps outputs lossless)
+        quantization = spec_config.draft_quantization or ctx.quantization
+        mode = effective_quantization(quantization, source.is_gguf, ctx.device)
+        self.dtype, self.kv_dtype = compute_dtypes(ctx.dtype_flag, mode)
+        self.model = load_model(
+            source, quantization, self.dtype, ctx.device, head_rows=spec_config.draft_vocab_size
+        )
+        self.vocab_size = self.model.config.vocab_size  # the verifier's q needs the full vocabulary
         self.runner: ModelRunner | None = None
         self.num_computed: dict[str, int] = {}  # request id -> tokens whose draft K/V is valid
 
@@ -50,10 +50,10 @@ class DraftModelProposer(Proposer):
         return request.num_tokens - self.num_computed.get(request.request_id, 0)
 
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model.config, self.ctx.dtype)
+        return kv_bytes_per_token(self.model.config, self.kv_dtype)
 
     def allocate_kv(self, num_slots: int) -> None:
-        self.runner = ModelRunner(self.model, num_slots, self.ctx.block_size, self.ctx.dtype, self.ctx.device)
+        self.runner = ModelRunner(self.model, num_slots, self.ctx.block_size, self.kv_dtype, self.ctx.device)
 
     def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
         if plan.k == 0:

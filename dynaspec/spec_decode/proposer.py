@@ -27,9 +27,12 @@ class ProposerContext:
     """What a proposer may know of the engine: no scheduler, no target model."""
 
     target_tokenizer: object
-    dtype: torch.dtype
+    dtype: torch.dtype  # the target's activations
     device: torch.device
     block_size: int
+    quantization: str = "auto"  # the target's --quantization (a drafter follows it unless told otherwise)
+    kv_dtype: torch.dtype | None = None  # the target's KV cache (default: dtype)
+    dtype_flag: str = "auto"  # --dtype as given (a drafter of another quantization resolves its own)
 
 
 class Proposer:

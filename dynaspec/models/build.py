@@ -1,0 +1,251 @@
+"""Build a `LlamaModel` from a checkpoint, one tensor at a time, in the requested quantization.
+
+`quantization` (the `--quantization` flag):
+- "auto": a GGUF's own blocks (each linear layer keeps the file's codes and scales: `QuantLinear`;
+  the token embedding is looked up from its quantized rows in the memory-mapped file); a Hugging
+  Face directory stays dense in the compute dtype.
+- "none": every weight dense in the compute dtype (a GGUF is dequantized at load).
+- "int8" / "int4": group-wise round-to-nearest at load (groups of 32), from the checkpoint's dense
+  values (a GGUF's dequantized ones); lower quality than a GGUF's own K-quants, which search their
+  scales. The embedding stays dense.
+Off the CPU (CUDA), the quantized kernels do not run: "auto" means "none" there, "int8"/"int4" are
+refused.
+
+Fused layers (q/k/v, gate/up) stack their parts' rows into one `QuantLinear` when the parts share a
+block layout; parts of different types (Q6_K v next to Q4_K q and k, as Q4_K_M files mix them) run
+as consecutive layers whose outputs are concatenated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from dynaspec.models.checkpoint import Checkpoint, StateDictCheckpoint
+from dynaspec.models.config import ModelConfig
+from dynaspec.models.gguf_blocks import GroupedWeight, concat_rows, decode_blocks, layout, select_rows
+from dynaspec.models.llama import Linear, LlamaModel, RotaryEmbedding
+from dynaspec.models.qlinear import QuantLinear, quantize_dense
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+DENSE_GROUP = 32  # group size of int8/int4 quantization at load
+
+
+def effective_quantization(quantization: str, is_gguf: bool, device: torch.device) -> str:
+    """What `quantization` means for this source and device: "gguf" (the file's own blocks),
+    "int8", "int4" or "none"."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if device.type != "cpu":
+        if quantization in ("int8", "int4"):
+            raise ValueError(
+                f"quantization: {quantization} runs on the CPU kernels only; use auto or none on {device}"
+            )
+        return "none"
+    if quantization == "auto":
+        return "gguf" if is_gguf else "none"
+    return quantization
+
+
+class ConcatLinear(nn.Module):
+    """Several linear layers over the same input whose outputs are concatenated."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding looked up from a GGUF tensor's quantized rows, in place in the memory-mapped
+    file: only the rows a batch needs are decoded (exactly, as `gguf_blocks` decodes them)."""
+
+    def __init__(self, rows: np.ndarray, qtype: int, shape: tuple[int, int], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.rows, self.qtype, self.shape, self.dtype = rows, qtype, shape, dtype  # rows [out, bytes]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden]
+        picked = self.rows[ids.cpu().numpy()]
+        weight = decode_blocks(picked, self.qtype, (len(picked), self.shape[1]), "token embedding")
+        dense = weight.dequantize() if isinstance(weight, GroupedWeight) else weight
+        return dense.to(device=ids.device, dtype=self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.shape[0]}, {self.shape[1]}, gguf type {self.qtype}"
+
+
+def _convert(weight: GroupedWeight | torch.Tensor, mode: str, name: str) -> GroupedWeight | torch.Tensor:
+    """One weight in the form `mode` keeps: dense, the file's blocks, or re-quantized at load."""
+    if mode == "gguf":
+        return weight
+    dense = weight.dequantize() if isinstance(weight, GroupedWeight) else weight
+    if mode == "none":
+        return dense
+    if dense.shape[1] % DENSE_GROUP:
+        raise ValueError(f"{name}: {mode} quantizes groups of {DENSE_GROUP}; in_features is {dense.shape[1]}")
+    return quantize_dense(dense, 8 if mode == "int8" else 4, DENSE_GROUP)
+
+
+def build_linear(
+    parts: list[tuple[str, GroupedWeight | torch.Tensor, torch.Tensor | None]],  # (name, weight, bias)
+    mode: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> nn.Module:
+    """One layer computing the concatenation of the parts' outputs."""
+    converted = [(name, _convert(w, mode, name), b) for name, w, b in parts]
+    runs: list[list[tuple]] = []
+    for part in converted:
+        key = layout(part[1]) if isinstance(part[1], GroupedWeight) else "dense"
+        if runs and runs[-1][0][0] == key:
+            runs[-1].append((key, *part))
+        else:
+            runs.append([(key, *part)])
+    modules = []
+    for run in runs:
+        weights = [w for _, _, w, _ in run]
+        biases = [b for _, _, _, b in run]
+        bias = None if biases[0] is None else torch.cat(biases).float()
+        if run[0][0] == "dense":
+            w = torch.cat(weights)
+            layer = Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+            layer.weight = nn.Parameter(w.to(device=device, dtype=dtype), requires_grad=False)
+            if bias is not None:
+                layer.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
+            modules.append(layer)
+        else:
+            modules.append(QuantLinear(concat_rows(weights), bias, dtype=dtype))
+    return modules[0] if len(modules) == 1 else ConcatLinear(modules)
+
+
+_FUSED = {
+    ("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
+    ("self_attn", "o_proj"): ("o_proj",),
+    ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"),
+    ("mlp", "down_proj"): ("down_proj",),
+}
+
+
+def build_model(
+    config: ModelConfig,
+    checkpoint: Checkpoint,
+    mode: str,  # from effective_quantization
+    dtype: torch.dtype,
+    device: torch.device,
+    head_rows: int | None = None,  # keep only the first rows of the output head (a drafter's)
+    progress: bool = False,
+) -> LlamaModel:
+    from tqdm import tqdm
+
+    if head_rows is not None and not 0 < head_rows <= config.vocab_size:
+        raise ValueError(f"draft_vocab_size: must be in [1, {config.vocab_size}], got {head_rows}")
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    missing = sorted(n for n in required_names(config) if n not in checkpoint.names)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
+
+    def get(name: str, shape: tuple[int, ...]) -> GroupedWeight | torch.Tensor:
+        value = checkpoint.get(name)
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"tensor {name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+        return value
+
+    def dense_param(name: str, shape: tuple[int, ...]) -> nn.Parameter:
+        value = get(name, shape)
+        if isinstance(value, GroupedWeight):
+            value = value.dequantize()
+        return nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False)
+
+    hidden = config.hidden_size
+    # embedding and head first: the head's packing temporaries (the largest tensor) come before the
+    # layers are resident
+    embed_name = "model.embed_tokens.weight"
+    raw = checkpoint.embedding_rows(embed_name) if mode == "gguf" else None
+    if raw is not None:
+        model.model.embed_tokens = QuantEmbedding(*raw, dtype=dtype)
+    else:
+        model.model.embed_tokens = nn.Embedding(config.vocab_size, hidden, device="meta")
+        model.model.embed_tokens.weight = dense_param(embed_name, (config.vocab_size, hidden))
+
+    head_name = embed_name if config.tie_word_embeddings else "lm_head.weight"
+    rows = head_rows or config.vocab_size
+    if mode == "none" and config.tie_word_embeddings and rows == config.vocab_size:
+        model.lm_head = Linear(hidden, rows, bias=False, device="meta")
+        model.lm_head.weight = model.model.embed_tokens.weight  # shared, not copied
+    else:
+        head = get(head_name, (config.vocab_size, hidden))
+        if rows < config.vocab_size:
+            keep = torch.arange(rows)
+            head = select_rows(head, keep) if isinstance(head, GroupedWeight) else head[:rows].clone()
+        model.lm_head = build_linear([(head_name, head, None)], mode, dtype, device)
+    layers = tqdm(
+        list(enumerate(model.model.layers)), desc="loading layers", unit="layer", disable=not progress
+    )
+    for i, layer in layers:
+        prefix = f"model.layers.{i}."
+        for (owner, fused), part_names in _FUSED.items():
+            module = getattr(layer, owner)
+            target: nn.Module = getattr(module, fused)
+            sizes = _split_sizes(config, fused)
+            in_features = target.in_features
+            parts = []
+            for p, out_features in zip(part_names, sizes):
+                name = f"{prefix}{owner}.{p}"
+                bias = None
+                if f"{name}.bias" in checkpoint.names:
+                    bias = get(f"{name}.bias", (out_features,))
+                    bias = bias.dequantize()[0] if isinstance(bias, GroupedWeight) else bias
+                parts.append((f"{name}.weight", get(f"{name}.weight", (out_features, in_features)), bias))
+            if config.attention_bias and fused == "qkv_proj" and any(b is None for _, _, b in parts):
+                raise ValueError(f"checkpoint is missing {prefix}self_attn.q_proj.bias (or k/v)")
+            setattr(module, fused, build_linear(parts, mode, dtype, device))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            getattr(layer, norm).weight = dense_param(f"{prefix}{norm}.weight", (hidden,))
+        if config.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                getattr(layer.self_attn, norm).weight = dense_param(
+                    f"{prefix}self_attn.{norm}.weight", (config.head_dim,)
+                )
+    model.model.norm.weight = dense_param("model.norm.weight", (hidden,))
+
+    model.head_rows = rows
+    model.rotary = RotaryEmbedding(config).to(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"build_model left {left[0]} unset")
+    return model.eval()
+
+
+def required_names(config: ModelConfig) -> list[str]:
+    """The weight tensors (Hugging Face names) a checkpoint of this config must hold."""
+    per_layer = [f"{m}.{p}" for (m, _), parts in _FUSED.items() for p in parts]
+    per_layer += ["input_layernorm", "post_attention_layernorm"]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
+    names = [f"model.layers.{i}.{n}.weight" for i in range(config.num_hidden_layers) for n in per_layer]
+    names += ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def _split_sizes(config: ModelConfig, fused: str) -> tuple[int, ...]:
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    return {
+        "qkv_proj": (q, kv, kv),
+        "o_proj": (config.hidden_size,),
+        "gate_up_proj": (config.intermediate_size, config.intermediate_size),
+        "down_proj": (config.hidden_size,),
+    }[fused]
+
+
+def from_state_dict(
+    config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> LlamaModel:
+    """A dense model from Hugging Face-named tensors in memory (tests, references)."""
+    return build_model(config, StateDictCheckpoint(weights), "none", dtype, device)
