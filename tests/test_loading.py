@@ -12,11 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import IM_END, IM_START, dynaspec_logits, make_tiny_gguf, make_tiny_model_dir, make_tiny_tokenizer
+from tiny import (
+    IM_END,
+    IM_START,
+    dynaspec_logits,
+    load_hf_dir,
+    load_weights,
+    make_tiny_gguf,
+    make_tiny_model_dir,
+    make_tiny_tokenizer,
+)
 
 from dynaspec.models import packs
 from dynaspec.models.gguf import convert_gguf
-from dynaspec.models.loader import load_config, load_hf_dir, load_tokenizer, load_weights, resolve_model
+from dynaspec.models.loader import load_config, load_tokenizer, resolve_model
 from dynaspec.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -139,7 +148,7 @@ def test_broken_hf_dir_errors(tiny_dirs, tmp_path, breakage, message):
 
 
 def test_resolve_model_choices(tiny_dirs, tmp_path):
-    assert resolve_model(str(tiny_dirs["llama"])) == tiny_dirs["llama"]
+    assert resolve_model(str(tiny_dirs["llama"])).directory == tiny_dirs["llama"]
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"x")
     with pytest.raises(ValueError, match="not a .gguf file"):
@@ -226,8 +235,10 @@ def test_gguf_converts_back_to_hf_weights(tiny_dirs, tmp_path, name):
     gguf_path = tmp_path / f"{name}.gguf"
     expected = make_tiny_gguf(hf_dir, gguf_path)
     out = convert_gguf(gguf_path, tmp_path / "converted", progress=False)
+    assert not list(out.glob("*.safetensors"))  # the weights stay in the GGUF file
 
-    config, weights, tokenizer = load_hf_dir(out)
+    config, tokenizer = load_config(out), load_tokenizer(out)
+    weights = load_weights(gguf_path)
     original_config, original_weights, original_tokenizer = load_hf_dir(hf_dir)
     assert config == original_config
     assert set(weights) == set(expected) == set(original_weights)
@@ -252,7 +263,7 @@ def test_gguf_conversion_matches_transformers_gguf_loader(tiny_dirs, tmp_path, n
     pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
     gguf_path = tmp_path / f"{name}.gguf"
     make_tiny_gguf(tiny_dirs[name], gguf_path)
-    weights = load_weights(convert_gguf(gguf_path, tmp_path / "converted", progress=False))
+    weights = load_weights(gguf_path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=gguf_path.name, dtype=torch.float32
     )
@@ -262,7 +273,7 @@ def test_gguf_conversion_matches_transformers_gguf_loader(tiny_dirs, tmp_path, n
 
 
 def test_gguf_types_and_cache(tiny_dirs, tmp_path):
-    """F32/F16/Q8_0 everywhere, and resolve_model converts a .gguf once, again when it changes."""
+    """F32/F16/Q8_0 everywhere, and resolve_model writes a .gguf's metadata once, again when it changes."""
     gguf_path = tmp_path / "m.gguf"
     types = {
         "embed_tokens.weight": "F32",
@@ -274,15 +285,16 @@ def test_gguf_types_and_cache(tiny_dirs, tmp_path):
         "lm_head.weight": "F16",
     }
     expected = make_tiny_gguf(tiny_dirs["llama"], gguf_path, types)
-    first = resolve_model(str(gguf_path), progress=False)
-    assert first.is_relative_to(packs.cache_root())
-    weights = load_weights(first)
+    source = resolve_model(str(gguf_path), progress=False)
+    first = source.directory
+    assert first.is_relative_to(packs.cache_root()) and source.gguf == gguf_path
+    weights = load_weights(gguf_path)
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
-    assert resolve_model(str(gguf_path), progress=False) == first
-    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
+    stamp = (first / "config.json").stat().st_mtime_ns
+    assert resolve_model(str(gguf_path), progress=False).directory == first
+    assert (first / "config.json").stat().st_mtime_ns == stamp  # not converted again
     os.utime(gguf_path, ns=(stamp, stamp + 10**9))
-    second = resolve_model(str(gguf_path), progress=False)
+    second = resolve_model(str(gguf_path), progress=False).directory
     assert second != first and (second / "config.json").is_file()
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dynaspec.models.attention import build_attention_metadata
+from dynaspec.models.build import from_state_dict
 from dynaspec.models.config import ModelConfig
 from dynaspec.models.llama import LlamaModel
 
@@ -52,7 +53,7 @@ def _hf_model(arch: str, tie: bool):
 
 def _ours(hf) -> LlamaModel:
     config = ModelConfig.from_hf_dict(hf.config.to_dict())
-    return LlamaModel.from_weights(config, hf.state_dict(), torch.float32, torch.device("cpu"))
+    return from_state_dict(config, hf.state_dict(), torch.float32, torch.device("cpu"))
 
 
 def _kv(model: LlamaModel, num_blocks: int):

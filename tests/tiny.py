@@ -298,9 +298,9 @@ def dynaspec_logits(
 ) -> torch.Tensor:  # [len(ids), vocab] float32
     """Logits of one prefill of ids through dynaspec's LlamaModel (paged KV cache, one sequence)."""
     from dynaspec.models.attention import build_attention_metadata
-    from dynaspec.models.llama import LlamaModel
+    from dynaspec.models.build import from_state_dict
 
-    model = LlamaModel.from_weights(config, weights, dtype, torch.device("cpu"))
+    model = from_state_dict(config, weights, dtype, torch.device("cpu"))
     del weights  # when the caller passed load_weights(...) inline, this frees the checkpoint now
     block = 16
     num_blocks = (len(ids) + block - 1) // block
@@ -316,3 +316,28 @@ def dynaspec_logits(
     )
     hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv, meta)
     return model.compute_logits(hidden)
+
+
+def load_weights(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory's safetensors, or of a GGUF file dequantized to
+    float32 (Hugging Face names, llama's Q/K rows un-permuted)."""
+    from pathlib import Path
+
+    from dynaspec.models.checkpoint import GgufCheckpoint, SafetensorsCheckpoint
+    from dynaspec.models.loader import resolve_model
+
+    path = Path(path)
+    if path.suffix == ".gguf":
+        source = resolve_model(str(path), progress=False)
+        return GgufCheckpoint(path, source.config()).dense_state()
+    checkpoint = SafetensorsCheckpoint(path)
+    return {name: checkpoint.get(name) for name in sorted(checkpoint.names)}
+
+
+def load_hf_dir(path):
+    """(config, weights, tokenizer) of a Hugging Face directory."""
+    from dynaspec.models.loader import load_config, load_tokenizer
+
+    config = load_config(path)
+    tokenizer = load_tokenizer(path)
+    return config, load_weights(path), tokenizer
