@@ -1,8 +1,12 @@
 """The real pair (Qwen2.5-Coder 1.5B target, 0.5B draft): speculation is lossless on real weights.
 
-float32: greedy output with the draft model equals plain greedy output token for token.
-bfloat16: a K+1-token verify pass and a 1-token decode can round differently, so an argmax may flip
-where the target's top two logits nearly tie; every divergence must happen at such a near-tie.
+Default configuration (the GGUF's own quantized blocks, float32 activations, bfloat16 KV cache):
+every kernel on the path is batch invariant (integer dot products in the quantized matmul, row-wise
+attention, per-row norms), so greedy output with the draft model equals plain greedy output token
+for token, whatever shares the pass: 20 HumanEval and MT-Bench prompts at concurrency 1 and 4.
+Dense bfloat16 (`--quantization none`): a K+1-token verify pass and a 1-token decode can round
+differently in oneDNN's matmuls, so an argmax may flip where the target's top two logits nearly
+tie; every divergence must happen at such a near-tie.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import pytest
 import torch
 
 from dynaspec import SamplingParams
+from dynaspec.datasets import load_prompts
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.engine.runner import TokenRun
 from dynaspec.kpolicy.config import SpeculativeConfig
@@ -25,27 +30,34 @@ PROMPTS = [
     [{"role": "user", "content": "Write a bash one-liner that counts the lines of all .py files."}],
 ]
 MAX_TOKENS = 24
+DEFAULT_MAX_TOKENS = 32
 # bf16 logits of this model round at ~0.06-0.125 near |logit| 10-20; a flip needs a gap of a few ulps
 NEAR_TIE = 0.5
 SPEC = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}
 
 
-def _plain_and_speculative(dtype: str) -> tuple[Engine, list[list[int]], list[list[int]]]:
+def _run(engine: Engine, prompts, max_tokens: int, concurrency: int) -> list[list[int]]:
+    """Greedy outputs with at most `concurrency` requests running at once."""
+    engine.scheduler.max_num_seqs = concurrency
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    requests = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in requests]
+
+
+def _plain_and_speculative(
+    prompts, max_tokens: int, concurrency: int, **config
+) -> tuple[Engine, list[list[int]], list[list[int]]]:
     """One engine (one load of each model): K=0 first, which never runs the drafter (the plain
     path), then K=4."""
     engine = Engine(
-        EngineConfig(
-            model=TARGET, dtype=dtype, speculative_config=SPEC, kv_cache_memory_gb=0.5, progress=False
-        )
+        EngineConfig(model=TARGET, speculative_config=SPEC, kv_cache_memory_gb=0.5, progress=False, **config)
     )
     outputs = []
     for policy in (FixedK(0), make_policy(SpeculativeConfig.parse(SPEC))):
         engine.set_k_policy(policy)
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-        requests = [engine.add_request(p, params) for p in PROMPTS]
-        while engine.has_unfinished():
-            engine.step()
-        outputs.append([r.output_token_ids for r in requests])
+        outputs.append(_run(engine, prompts, max_tokens, concurrency))
     return engine, outputs[0], outputs[1]
 
 
@@ -61,14 +73,31 @@ def _top2_gap(engine: Engine, token_ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def test_float32_speculative_equals_plain():
-    engine, plain, spec = _plain_and_speculative("float32")
-    assert spec == plain
-    assert engine.stats()["spec"]["num_accepted_tokens"] > 0
+@pytest.fixture(scope="module")
+def default_engine() -> Engine:
+    return Engine(EngineConfig(model=TARGET, speculative_config=SPEC, kv_cache_memory_gb=0.5, progress=False))
 
 
-def test_bfloat16_divergences_only_at_near_ties():
-    engine, plain, spec = _plain_and_speculative("bfloat16")
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_default_quantized_speculative_equals_plain(default_engine, concurrency):
+    engine = default_engine
+    assert engine.quantization == "gguf" and engine.proposer.model.quantization == "gguf"
+    prompts = load_prompts("humaneval", chat=True)[:10] + load_prompts("mt_bench", chat=True)[:10]
+    outputs = []
+    for policy in (FixedK(0), make_policy(SpeculativeConfig.parse(SPEC))):
+        engine.set_k_policy(policy)
+        with engine.recording() as rec:
+            outputs.append(_run(engine, prompts, DEFAULT_MAX_TOKENS, concurrency))
+    plain, spec = outputs
+    assert rec.spec.num_accepted_tokens > 0
+    mismatched = [i for i, (a, b) in enumerate(zip(plain, spec)) if a != b]
+    assert not mismatched, f"speculative output differs from plain for prompts {mismatched}"
+
+
+def test_bfloat16_dense_divergences_only_at_near_ties():
+    engine, plain, spec = _plain_and_speculative(
+        PROMPTS, MAX_TOKENS, 4, dtype="bfloat16", quantization="none"
+    )
     assert engine.stats()["spec"]["num_accepted_tokens"] > 0
     divergences = []
     for prompt, a, b in zip(PROMPTS, plain, spec):

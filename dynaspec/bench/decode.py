@@ -1,8 +1,11 @@
-"""`dynaspec bench decode`: plain decode tokens/s, dynaspec next to transformers `generate`.
+"""`dynaspec bench decode`: plain greedy decode tokens/s per batch size, dynaspec next to reference
+engines on the same model file: llama.cpp (llama-cpp-python, its batch API with one sequence id per
+request, the way its server runs parallel slots) and transformers `generate`.
 
-Same model directory, prompts (chat template), dtype and output length for both. Decode speed
-excludes prefill the same way for both: each batch is run for N new tokens and for 1 new token,
-and decode tokens/s = batch x (N - 1) / (t_N - t_1). Runs alternate between the two engines.
+Same prompts (chat template) and output length for every engine. Decode speed excludes prefill
+the same way for all: each batch is run for N new tokens and for 1 new token, and decode tokens/s
+= batch x (N - 1) / (t_N - t_1); the 1-token run is also reported as the batch's time to first
+token. Engines take turns on every batch.
 """
 
 from __future__ import annotations
@@ -14,21 +17,31 @@ from dynaspec.bench.common import format_table, write_result
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("decode", help="plain decode tokens/s: dynaspec vs transformers generate")
+    p = sub.add_parser("decode", help="greedy decode tok/s per batch size, dynaspec vs reference engines")
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--dataset", default="humaneval")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="batches per batch size (different prompts)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--no-hf", action="store_true", help="dynaspec only")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument(
+        "--engines",
+        default="dynaspec,llama.cpp",
+        help="comma-separated, of dynaspec, llama.cpp (same GGUF, llama-cpp-python), transformers",
+    )
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: torch's)")
     p.add_argument("--result-file", default="results/bench_decode.json")
     p.set_defaults(func=run)
+
+
+ENGINES = ("dynaspec", "llama.cpp", "transformers")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from dynaspec.bench import llamacpp
     from dynaspec.datasets import load_prompts
     from dynaspec.engine.engine import Engine, EngineConfig
     from dynaspec.models.loader import resolve_model
@@ -37,17 +50,22 @@ def run(args: argparse.Namespace) -> int:
     sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     if not sizes or min(sizes) < 1:
         raise ValueError("--batch-sizes: need comma-separated integers >= 1")
+    names = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in names if e not in ENGINES]
+    if unknown or not names or names[0] != "dynaspec":
+        raise ValueError(
+            f"--engines: dynaspec first, then any of {', '.join(ENGINES[1:])}; got {args.engines!r}"
+        )
     engine = Engine(
-        EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(sizes), kv_cache_memory_gb=1.0)
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            max_num_seqs=max(sizes),
+            kv_cache_memory_gb=1.0,
+        )
     )
-    hf = None
-    if not args.no_hf:
-        from transformers import AutoModelForCausalLM
-
-        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-        hf = AutoModelForCausalLM.from_pretrained(
-            **resolve_model(args.model).transformers_kwargs(), dtype=dtype
-        ).eval()
+    source = resolve_model(args.model)
     prompts = load_prompts(args.dataset, chat=True)
     pad_id = engine.tokenizer.eos_token_ids[0]
 
@@ -59,84 +77,97 @@ def run(args: argparse.Namespace) -> int:
             engine.step()
         return time.perf_counter() - start, [r.output_token_ids for r in requests]
 
-    def hf_run(batch: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
-        width = max(len(ids) for ids in batch)
-        x = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch])  # left padding
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = hf.generate(
-                x,
-                attention_mask=mask,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=pad_id,
-            )
-        return time.perf_counter() - start, out[:, width:].tolist()
-
     runners = {"dynaspec": dynaspec_run}
-    if hf is not None:
+    if "llama.cpp" in names:
+        why = llamacpp.available() or (None if source.gguf else f"{args.model} is not a GGUF file or pack")
+        if why:
+            print(f"llama.cpp reference skipped: {why}")
+        else:
+            threads = args.threads or torch.get_num_threads()
+            lc = llamacpp.LlamaCppBatch(source.gguf, threads, max(sizes))
+            runners["llama.cpp"] = lambda batch, n: lc.generate(batch, n)[:2]
+    if "transformers" in names:
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+        hf = AutoModelForCausalLM.from_pretrained(**source.transformers_kwargs(), dtype=dtype).eval()
+
+        def hf_run(batch: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+            width = max(len(ids) for ids in batch)
+            x = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch])  # left padding
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = hf.generate(
+                    x,
+                    attention_mask=mask,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=pad_id,
+                )
+            return time.perf_counter() - start, out[:, width:].tolist()
+
         runners["transformers"] = hf_run
+
     records, rows = [], []
     cursor = 0
-    dynaspec_run([engine.tokenizer.encode("warm up")], 2)  # first-call allocations
+    warm = [engine.tokenizer.encode("warm up")]
+    for fn in runners.values():
+        fn(warm, 2)  # first-call allocations
     for bs in sizes:
-        acc = {name: {"decode_s": 0.0, "tokens": 0, "e2e_s": 0.0, "outputs": []} for name in runners}
+        acc = {
+            name: {"decode_s": 0.0, "tokens": 0, "e2e_s": 0.0, "first_s": 0.0, "outputs": []}
+            for name in runners
+        }
         for _ in range(args.repeats):
             batch = [
                 engine.tokenizer.apply_chat_template(prompts[(cursor + i) % len(prompts)]) for i in range(bs)
             ]
             cursor += bs
-            for name, fn in runners.items():
+            for name, fn in runners.items():  # interleaved: every engine on the same batch in turn
                 t1, _ = fn(batch, 1)
                 tn, outs = fn(batch, args.max_tokens)
                 a = acc[name]
                 a["decode_s"] += max(tn - t1, 1e-9)
                 a["tokens"] += bs * (args.max_tokens - 1)
                 a["e2e_s"] += tn
+                a["first_s"] += t1
                 a["outputs"] += outs
         speeds = {name: a["tokens"] / a["decode_s"] for name, a in acc.items()}
-        agree = None
-        if "transformers" in acc:
-            agree = sum(
-                _common_prefix(x, y)
-                for x, y in zip(acc["dynaspec"]["outputs"], acc["transformers"]["outputs"])
-            )
-        ratio = speeds["dynaspec"] / speeds["transformers"] if "transformers" in speeds else None
-        rows.append(
-            [
-                bs,
-                speeds["dynaspec"],
-                speeds.get("transformers"),
-                ratio,
-                None if agree is None else f"{agree}/{len(acc['dynaspec']['outputs']) * args.max_tokens}",
-            ]
-        )
-        records.append(
-            {
-                "batch_size": bs,
-                "dynaspec_decode_tokens_per_s": round(speeds["dynaspec"], 3),
-                "transformers_decode_tokens_per_s": round(speeds["transformers"], 3)
-                if "transformers" in speeds
-                else None,
-                "ratio": None if ratio is None else round(ratio, 3),
-                "dynaspec_e2e_s": round(acc["dynaspec"]["e2e_s"], 3),
-                "transformers_e2e_s": round(acc["transformers"]["e2e_s"], 3)
-                if "transformers" in acc
-                else None,
-                "greedy_tokens_agreeing_prefix": agree,
-            }
-        )
+        ours = acc["dynaspec"]["outputs"]
+        agree = {
+            name: sum(_common_prefix(x, y) for x, y in zip(ours, a["outputs"]))
+            for name, a in acc.items()
+            if name != "dynaspec"
+        }
+        total = len(ours) * args.max_tokens
+        row = [bs, speeds["dynaspec"]]
+        for name in list(runners)[1:]:
+            row += [speeds[name], speeds["dynaspec"] / speeds[name], f"{agree[name]}/{total}"]
+        rows.append(row)
+        record = {"batch_size": bs}
+        for name, a in acc.items():
+            key = name.replace(".", "")
+            record[f"{key}_decode_tokens_per_s"] = round(speeds[name], 3)
+            record[f"{key}_first_token_s"] = round(a["first_s"] / args.repeats, 4)
+            record[f"{key}_e2e_s"] = round(a["e2e_s"], 3)
+            if name != "dynaspec":
+                record[f"dynaspec_over_{key}"] = round(speeds["dynaspec"] / speeds[name], 3)
+        record["greedy_tokens_agreeing_prefix"] = {k.replace(".", ""): v for k, v in agree.items()}
+        record["greedy_tokens_total"] = total
+        records.append(record)
         print(f"batch size {bs} done", flush=True)
-    print(
-        format_table(["batch", "dynaspec tok/s", "transformers tok/s", "ratio", "greedy prefix agree"], rows)
-    )
+    headers = ["batch", "dynaspec tok/s"]
+    for name in list(runners)[1:]:
+        headers += [f"{name} tok/s", f"dynaspec / {name}", "greedy prefix agree"]
+    print(format_table(headers, rows))
     write_result(
         args.result_file,
         {
             "benchmark": "decode",
             "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "quantization": engine.quantization,
             "rows": records,
         },
     )

@@ -25,27 +25,48 @@ def add_parser(sub) -> None:
         "--ks", default="0,1,2,3,4,5,6", help="draft_model K values (K=0: drafter loaded, never run)"
     )
     p.add_argument("--ngram-k", type=int, default=4, help="K for the ngram proposer (0: skip)")
-    p.add_argument("--draft-quantization", default="int8", help="int8 or none (the drafter only: lossless)")
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="the target's (and drafter's)",
+    )
+    p.add_argument(
+        "--draft-quantization",
+        default=None,
+        choices=["auto", "none", "int8", "int4"],
+        help="the drafter's, if not the target's (drafts only: lossless)",
+    )
+    p.add_argument(
+        "--llamacpp-lookup",
+        type=int,
+        default=10,
+        help="llama.cpp reference (if llama-cpp-python is installed): prompt-lookup draft tokens (0: plain)",
+    )
+    p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp reference")
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: torch's)")
     p.add_argument("--draft-vocab-size", type=int, default=32768, help="drafter LM head rows kept (0: all)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers (plain and assisted generation)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--result-file", default="results/bench_spec.json")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from dynaspec.bench.llamacpp import lookup_generate
     from dynaspec.datasets import load_prompts
     from dynaspec.engine.engine import Engine, EngineConfig
     from dynaspec.kpolicy.policy import FixedK
+    from dynaspec.models.loader import resolve_model
     from dynaspec.sampling_params import SamplingParams
 
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
     if not ks or min(ks) < 0 or max(ks) < 1:
         raise ValueError("--ks: need comma-separated integers >= 0, at least one >= 1")
     prompts = load_prompts(args.dataset, chat=True)[: args.num_prompts]
-    base = dict(dtype=args.dtype, max_num_seqs=1, kv_cache_memory_gb=1.0)
+    base = dict(dtype=args.dtype, quantization=args.quantization, max_num_seqs=1, kv_cache_memory_gb=1.0)
     draft_spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": max(ks)}
-    if args.draft_quantization and args.draft_quantization != "none":
+    if args.draft_quantization:
         draft_spec["draft_quantization"] = args.draft_quantization
     if args.draft_vocab_size:
         draft_spec["draft_vocab_size"] = args.draft_vocab_size
@@ -60,12 +81,23 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = engines["plain"].tokenizer
     prompt_ids = [tokenizer.apply_chat_template(p) for p in prompts]
 
+    llamas = _llamacpp_engines(args, resolve_model(args.model).gguf)
+    configs += [(name, name, None) for name in llamas]
     totals = {
         name: {"tokens": 0, "wall": 0.0, "outputs": [], "accepted": 0, "drafts": 0, "per_pos": []}
         for name, _, _ in configs
     }
     for ids in prompt_ids:
         for name, engine_name, k in configs:
+            if engine_name in llamas:
+                wall, out = lookup_generate(
+                    llamas[engine_name], ids, args.max_tokens, tokenizer.eos_token_ids
+                )
+                t = totals[name]
+                t["wall"] += wall
+                t["tokens"] += len(out)
+                t["outputs"].append(out)
+                continue
             engine = engines[engine_name]
             if k is not None:
                 engine.set_k_policy(FixedK(k))
@@ -82,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             t["drafts"] += run.spec.num_drafts
             t["per_pos"] = _add(t["per_pos"], run.spec.accepted_per_pos)
         print(f"prompt done: {len(ids)} prompt tokens", flush=True)
-    del engines
+    del engines, llamas
     gc.collect()
     if not args.no_hf:
         _run_transformers(args, prompt_ids, totals)
@@ -134,6 +166,27 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     return 0
+
+
+def _llamacpp_engines(args, gguf) -> dict:
+    """The llama.cpp reference configs on the same GGUF file: plain, and with prompt lookup."""
+    import torch
+
+    from dynaspec.bench import llamacpp
+
+    if args.no_llamacpp:
+        return {}
+    why = llamacpp.available() or (None if gguf else f"{args.model} is not a GGUF file or pack")
+    if why:
+        print(f"llama.cpp reference skipped: {why}")
+        return {}
+    threads = args.threads or torch.get_num_threads()
+    llamas = {"llama.cpp plain": llamacpp.make_llama(gguf, threads)}
+    if args.llamacpp_lookup:
+        llamas[f"llama.cpp lookup {args.llamacpp_lookup}"] = llamacpp.make_llama(
+            gguf, threads, lookup_tokens=args.llamacpp_lookup
+        )
+    return llamas
 
 
 def _run_transformers(args, prompt_ids, totals) -> None:

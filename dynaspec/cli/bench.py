@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHMARKS = ["decode", "spec", "sweep", "serve", "qmatmul"]
+BENCHMARKS = ["decode", "spec", "footprint", "perplexity", "sweep", "serve", "qmatmul"]
 
 
 def add_parser(sub) -> None:

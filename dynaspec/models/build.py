@@ -18,6 +18,8 @@ as consecutive layers whose outputs are concatenated.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 from torch import nn
@@ -182,18 +184,15 @@ def build_model(
             keep = torch.arange(rows)
             head = select_rows(head, keep) if isinstance(head, GroupedWeight) else head[:rows].clone()
         model.lm_head = build_linear([(head_name, head, None)], mode, dtype, device)
-    layers = tqdm(
-        list(enumerate(model.model.layers)), desc="loading layers", unit="layer", disable=not progress
-    )
-    for i, layer in layers:
+
+    def build_layer(i: int) -> None:
+        layer = model.model.layers[i]
         prefix = f"model.layers.{i}."
         for (owner, fused), part_names in _FUSED.items():
             module = getattr(layer, owner)
-            target: nn.Module = getattr(module, fused)
-            sizes = _split_sizes(config, fused)
-            in_features = target.in_features
+            in_features = getattr(module, fused).in_features
             parts = []
-            for p, out_features in zip(part_names, sizes):
+            for p, out_features in zip(part_names, _split_sizes(config, fused)):
                 name = f"{prefix}{owner}.{p}"
                 bias = None
                 if f"{name}.bias" in checkpoint.names:
@@ -210,6 +209,12 @@ def build_model(
                 getattr(layer.self_attn, norm).weight = dense_param(
                     f"{prefix}self_attn.{norm}.weight", (config.head_dim,)
                 )
+
+    # decoding and packing are numpy/torch array work that releases the GIL: layers in parallel
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        futures = [pool.submit(build_layer, i) for i in range(config.num_hidden_layers)]
+        for future in tqdm(futures, desc="loading layers", unit="layer", disable=not progress):
+            future.result()
     model.model.norm.weight = dense_param("model.norm.weight", (hidden,))
 
     model.head_rows = rows
