@@ -15,6 +15,7 @@ chosen at construction:
 from __future__ import annotations
 
 import functools
+import hashlib
 import platform
 from pathlib import Path
 
@@ -55,8 +56,11 @@ def kernel_error() -> str | None:
     try:
         from torch.utils import cpp_extension
 
+        # named by the sources' hash: two versions of dynaspec (or two checkouts) never rebuild
+        # each other's copy in torch's shared extension directory
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in KERNEL_SOURCES)).hexdigest()[:12]
         cpp_extension.load(
-            name="dynaspec_qmatmul",
+            name=f"dynaspec_kernels_{digest}",
             sources=[str(p) for p in KERNEL_SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP in the headers
             extra_ldflags=["-fopenmp"],
