@@ -14,3 +14,5 @@ if [ -n "$TORCH_SPEC" ]; then
     .venv/bin/python -m pip install -q "$TORCH_SPEC"
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
+# build the C++ kernels (quantized matmul, row-wise attention) now rather than on the first run
+.venv/bin/python -c "from dynaspec.models.qlinear import kernel_error as e; print('dynaspec kernels:', e() or 'built')"

@@ -110,35 +110,16 @@ class _Vnni(nn.Module):
             raise ValueError(f"path 'vnni' is not available: {error}")
         if weight.group not in KERNEL_GROUPS:
             raise ValueError(f"path 'vnni' takes groups of {KERNEL_GROUPS}, not {weight.group}")
-        out, n_in = weight.shape
-        groups, g = n_in // weight.group, weight.group
+        out, g = weight.shape[0], weight.group
         self.n_out, self.group = out, g
         self.amx_min_rows = AMX_MIN_ROWS
         self.bits = _kernel_bits(weight)
-        u, offsets = unsigned_form(weight)
         pad = -out % KERNEL_COLUMN_MULTIPLE
-        u = F.pad(u, (0, 0, 0, pad))
-        tiles = (out + pad) // KERNEL_LANES
-        # [tiles, 16 columns, groups, steps, 4 codes] -> [tiles, groups, steps, 64 bytes]
-        u = (
-            u.view(tiles, KERNEL_LANES, groups, g // 4, 4)
-            .permute(0, 2, 3, 1, 4)
-            .reshape(tiles, groups, g // 4, 64)
-        )
-        if (
-            self.bits < 8
-        ):  # low nibbles: step s in the low half of a byte, step s + steps / 2 in the high half
-            low = u & 0x0F
-            packed = low[:, :, : g // 8] | (low[:, :, g // 8 :] << 4)  # [tiles, groups, steps / 2, 64]
-            parts = [packed.reshape(tiles, groups, -1)]
-            if self.bits > 4:  # then one 64-byte plane of every step's top bits, step s at bit s * width
-                width = self.bits - 4
-                plane = torch.zeros(tiles, groups, 64, dtype=torch.uint8)
-                for step in range(g // 4):
-                    plane |= (u[:, :, step] >> 4) << (width * step)
-                parts.append(plane)
-            u = torch.cat(parts, dim=-1)
-        self.register_buffer("packed", u.reshape(tiles, groups, -1).contiguous())  # [tiles, groups, bytes]
+        # the unsigned form (codes shifted to [0, 2**bits)) packed into 16-column tiles, in C++
+        shift = 0 if weight.offsets is not None else 2 ** (weight.bits - 1)
+        offsets = weight.offsets if weight.offsets is not None else weight.scales * -shift
+        packed = torch.ops.dynaspec.pack_tiles(weight.codes.contiguous(), shift, self.bits, g, pad)
+        self.register_buffer("packed", packed)  # [tiles, groups, bytes]
         self.mode, f32, sub, self.super_groups = _scale_table(weight, offsets, pad)
         self.register_buffer("scales_f32", f32)
         self.register_buffer("scales_sub", sub)

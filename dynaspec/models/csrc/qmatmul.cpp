@@ -387,11 +387,63 @@ at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   return out;
 }
 
+// codes [out, in] (uint8, or int8 shifted up by `shift` to unsigned) -> the tile layout qmm_vnni
+// reads, [tiles, groups, bytes] uint8, tiles = (out + pad) / 16 with the pad rows zero. Per tile and
+// group, step s (4 consecutive codes of each of 16 columns) is 64 bytes [lane * 4 + code]; for
+// bits < 8 the low nibbles of steps s and s + steps/2 share a byte (low, high), and for 5/6 bits a
+// last 64-byte plane holds each step's top bits at bit s * (bits - 4).
+at::Tensor pack_tiles(const at::Tensor& codes, int64_t shift, int64_t bits, int64_t group, int64_t pad) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "pack_tiles: codes must be contiguous [out, in]");
+  TORCH_CHECK(codes.scalar_type() == at::kByte || codes.scalar_type() == at::kChar, "pack_tiles: codes must be 8-bit");
+  const int64_t out = codes.size(0), n_in = codes.size(1);
+  TORCH_CHECK(group % 8 == 0 && n_in % group == 0 && (out + pad) % kLanes == 0, "pack_tiles: shapes");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "pack_tiles: bits");
+  const int64_t tiles = (out + pad) / kLanes, groups = n_in / group, steps = group / 4;
+  const int64_t bytes = bits == 8 ? steps * 64 : steps / 2 * 64 + (bits > 4 ? 64 : 0);
+  at::Tensor packed = at::zeros({tiles, groups, bytes}, codes.options().dtype(at::kByte));
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const int width = static_cast<int>(bits) - 4;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    uint8_t u[64 * 64];  // [step][lane * 4 + code] of one group (steps <= 64)
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t lane = 0; lane < kLanes; ++lane) {
+          const int64_t row = t * kLanes + lane;
+          for (int64_t k = 0; k < group; ++k) {
+            const int64_t s = k / 4, c = k % 4;
+            u[s * 64 + lane * 4 + c] =
+                row < out ? static_cast<uint8_t>(src[row * n_in + g * group + k] + shift) : 0;
+          }
+        }
+        uint8_t* o = dst + (t * groups + g) * bytes;
+        if (bits == 8) {
+          std::memcpy(o, u, steps * 64);
+          continue;
+        }
+        const int64_t half = steps / 2;
+        for (int64_t s = 0; s < half; ++s)
+          for (int j = 0; j < 64; ++j) o[s * 64 + j] = (u[s * 64 + j] & 0x0F) | ((u[(s + half) * 64 + j] & 0x0F) << 4);
+        if (bits > 4) {
+          uint8_t* plane = o + half * 64;
+          for (int64_t s = 0; s < steps; ++s)
+            for (int j = 0; j < 64; ++j) plane[j] |= static_cast<uint8_t>((u[s * 64 + j] >> 4) << (width * s));
+        }
+      }
+    }
+  });
+  return packed;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dynaspec, m) {
+  m.def("pack_tiles(Tensor codes, int shift, int bits, int group, int pad) -> Tensor");
   m.def("qmm_vnni(Tensor x, Tensor w, Tensor f32, Tensor sub, int n_out, int group, int bits, int mode, int super_groups, "
         "int amx_min_rows) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dynaspec, CPU, m) { m.impl("qmm_vnni", &qmm_vnni); }
+TORCH_LIBRARY_IMPL(dynaspec, CPU, m) {
+  m.impl("qmm_vnni", &qmm_vnni);
+  m.impl("pack_tiles", &pack_tiles);
+}
