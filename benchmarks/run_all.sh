@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every figure in results/RESULTS.md, reproduced on the default offline models (CPU, bfloat16).
+# Every figure in results/RESULTS.md, reproduced on the default offline models (CPU, default
+# quantization: the GGUF files' own blocks). llama.cpp columns need scripts/setup-llamacpp.sh first.
 # Run on a quiet machine: the configurations are compared side by side, but the machine must be
 # otherwise idle for the absolute numbers to mean anything. About 2 hours on 2 cores.
 set -euo pipefail
@@ -8,7 +9,9 @@ DS=.venv/bin/dynaspec
 SPEC=@results/spec_qwen_pair.json
 mkdir -p results
 $DS bench spec --dataset humaneval --num-prompts 4 --max-tokens 128 --result-file results/bench_spec.json 2>&1 | tee results/bench_spec.log
-$DS bench decode --batch-sizes 1,8 --max-tokens 64 --result-file results/bench_decode.json 2>&1 | tee results/bench_decode.log
+$DS bench decode --batch-sizes 1,8 --max-tokens 64 --repeats 2 --result-file results/bench_decode.json 2>&1 | tee results/bench_decode.log
+$DS bench footprint --result-file results/bench_footprint.json 2>&1 | tee results/bench_footprint.log
+$DS bench perplexity --result-file results/bench_perplexity.json 2>&1 | tee results/bench_perplexity.log
 $DS profile --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC --dataset humaneval \
     --batch-sizes 1,2,4,8,16,32 \
     --output results/profile_qwen_pair_humaneval.json --plot results/goodput_qwen_pair_humaneval.png 2>&1 | tee results/profile.log
