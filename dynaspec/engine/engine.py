@@ -81,6 +81,7 @@ class EngineCounters:
     num_steps: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    chosen_k: int = 0  # the K chosen for the load at the last step with decodes
     spec: SpecStats = field(default_factory=SpecStats)
 
 
@@ -231,6 +232,8 @@ class Engine:
         c = self.counters
         c.num_steps += 1
         c.num_generated_tokens += sum(len(t) for t in record.result.token_ids)
+        if record.plan.num_decodes:
+            c.chosen_k = record.plan.chosen_k
         c.spec.observe(record)
         if self._k_policy is not None:
             self._k_policy.observe(record)
