@@ -42,7 +42,12 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
             "messages.0.role",
         ),
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
-        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
     ],

@@ -265,8 +265,9 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, guard: GuardConfi
             if e is None:
                 top.append(None)
                 continue
-            alternatives = {token_text(i): lp for i, lp in e.top}
-            alternatives.setdefault(token_text(t), e.logprob)  # the chosen token is always listed
+            alternatives: dict[str, float] = {}
+            for i, lp in [*e.top, (t, e.logprob)]:  # the chosen token is always listed
+                alternatives.setdefault(token_text(i), lp)  # tokens that decode alike keep the likeliest
             top.append(alternatives)
         return {
             "tokens": texts,
