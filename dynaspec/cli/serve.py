@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
     from dynaspec.server.shutdown import GracefulServer
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # what an operator reads (start, access lines, stats lines, shutdown) is logged at INFO
+    logging.getLogger("dynaspec").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     app, loop = build_server(args)
     loop.start()
     logging.getLogger("dynaspec.serve").info(
