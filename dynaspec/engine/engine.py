@@ -213,12 +213,8 @@ class Engine:
         start = time.perf_counter()
         logits = self.runner.forward(plan, drafts)  # one target pass: last tokens + drafts + prefills
         target_ms = self._elapsed_ms(start)
-        result = verify(
-            logits.sampled, drafts, sampling
-        )  # rejection sampling: accepted drafts + one token each
-        result.prompt_logprobs = score_prompts(
-            logits.prompts, plan.prefills
-        )  # echo: prompt log-probabilities
+        result = verify(logits.sampled, drafts, sampling)  # accepted drafts + one token each, logprobs
+        result.prompt_logprobs = score_prompts(logits.prompts, plan.prefills)  # for prompt_logprobs
         self.proposer.commit(plan, result)  # e.g. draft-model KV catch-up
         self._observe(StepRecord(plan, result, StepTiming.of(plan, result, target_ms, drafts.passes)))
         return self.scheduler.update(plan, result)  # append, finish, free KV

@@ -9,12 +9,11 @@ Log-probabilities are the target's raw ones (before penalties, temperature, top-
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -199,7 +198,7 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, guard: GuardConfi
             if not chat and body.echo:
                 echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
             for i in range(body.n):  # sample i of a seeded request is seeded with seed + i
-                sample = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+                sample = params if params.seed is None else replace(params, seed=params.seed + i)
                 index = p * body.n + i
                 choices.append(Choice(index, i, f"{response_id}-{index}", ids, echo, sample))
         try:
