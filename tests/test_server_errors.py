@@ -79,6 +79,9 @@ def test_harmless_fields_are_accepted_and_ignored(base, caplog):
         "frobnicate": True,
         "tool_choice": "none",
         "response_format": {"type": "text"},
+        "temperature": None,  # null means the default
+        "n": None,
+        "logit_bias": None,
     }
     with caplog.at_level("INFO", logger="dynaspec.server.protocol"):
         for _ in range(2):
