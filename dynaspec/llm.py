@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from dynaspec.engine.engine import Engine, EngineConfig
+from dynaspec.engine.types import TokenLogprob
 from dynaspec.sampling_params import SamplingParams
 
 
@@ -21,6 +22,8 @@ class CompletionOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per output token (raw)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs
 
 
 class LLM:
@@ -67,6 +70,8 @@ class LLM:
                 arrival_time=requests[i].arrival_time,
                 first_token_time=requests[i].first_token_time,
                 finish_time=finish_time[i],
+                logprobs=requests[i].output_logprobs if requests[i].params.logprobs is not None else None,
+                prompt_logprobs=requests[i].prompt_logprobs,
             )
             for i in ids
         ]

@@ -13,6 +13,7 @@ import uvicorn
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.server.app import build_app
 from dynaspec.server.engine_loop import EngineLoop
+from dynaspec.server.middleware import GuardConfig
 
 
 def free_port() -> int:
@@ -22,15 +23,21 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(model_dir, name: str = "tiny", **engine_kwargs):
+def running_server(
+    model_dir,
+    name: str = "tiny",
+    guard: GuardConfig | None = None,
+    max_waiting: int | None = None,
+    **engine_kwargs,
+):
     engine_kwargs.setdefault("dtype", "float32")
     engine_kwargs.setdefault("kv_cache_memory_gb", 0.02)
     engine = Engine(EngineConfig(model=str(model_dir), progress=False, **engine_kwargs))
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine, max_waiting=max_waiting)
     loop.start()
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(build_app(loop, name), host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.Config(build_app(loop, name, guard), host="127.0.0.1", port=port, log_level="warning")
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

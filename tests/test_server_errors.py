@@ -25,10 +25,13 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
         ("/v1/completions", {**GOOD, "max_tokens": -3}, 400, "max_tokens"),
         ("/v1/completions", {**GOOD, "max_tokens": 10**9}, 400, "max_tokens"),
         ("/v1/completions", {**GOOD, "prompt": "word " * 200}, 400, "prompt"),
-        ("/v1/completions", {**GOOD, "n": 3}, 400, "n"),
-        ("/v1/completions", {**GOOD, "logprobs": 5}, 400, "logprobs"),
+        ("/v1/completions", {**GOOD, "n": 0}, 400, "n"),
+        ("/v1/completions", {**GOOD, "logprobs": 50}, 400, "logprobs"),
         ("/v1/completions", {**GOOD, "best_of": 2}, 400, "best_of"),
-        ("/v1/completions", {**GOOD, "frobnicate": True}, 400, "frobnicate"),
+        ("/v1/completions", {**GOOD, "suffix": "x"}, 400, "suffix"),
+        ("/v1/completions", {**GOOD, "presence_penalty": 3}, 400, "presence_penalty"),
+        ("/v1/completions", {**GOOD, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {**GOOD, "prompt": ["a", ""]}, 400, "prompt"),
         ("/v1/completions", {**GOOD, "top_p": 7}, 400, "top_p"),
         ("/v1/completions", {k: v for k, v in GOOD.items() if k != "prompt"}, 400, "prompt"),
         ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
@@ -39,6 +42,13 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
             "messages.0.role",
         ),
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
     ],
 )
@@ -56,6 +66,32 @@ def test_bad_input_then_good_request(base, path, body, status, param):
         assert error["param"] == param, error
     good = httpx.post(f"{base}/v1/completions", json=GOOD, timeout=60)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_harmless_fields_are_accepted_and_ignored(base, caplog):
+    extra = {
+        "user": "u1",
+        "metadata": {"a": "b"},
+        "store": False,
+        "parallel_tool_calls": True,
+        "service_tier": "auto",
+        "stream_options": {"include_usage": True},
+        "frobnicate": True,
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "temperature": None,  # null means the default
+        "n": None,
+        "logit_bias": None,
+    }
+    with caplog.at_level("INFO", logger="dynaspec.server.protocol"):
+        for _ in range(2):
+            r = httpx.post(f"{base}/v1/chat/completions", json={**CHAT, **extra}, timeout=60)
+            assert r.status_code == 200, r.text
+    logged = [rec.getMessage() for rec in caplog.records if "ignoring request field" in rec.getMessage()]
+    assert sorted(logged) == sorted(  # once per field name, however many requests send it
+        f"ignoring request field {name!r} (not used by this server)"
+        for name in ("user", "metadata", "store", "parallel_tool_calls", "service_tier", "frobnicate")
+    )
 
 
 def test_unknown_route_is_404_json(base):

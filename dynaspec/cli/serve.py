@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 
 from dynaspec.engine.args import add_engine_args, engine_kwargs
 
@@ -10,34 +12,77 @@ from dynaspec.engine.args import add_engine_args, engine_kwargs
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("DYNASPEC_API_KEY"),
+        help="require 'Authorization: Bearer <key>' on /v1/* (default: $DYNASPEC_API_KEY; none: open)",
+    )
+    g.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
+    g.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
+    g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=512,
+        help="requests that may wait for a slot; beyond it new requests get 503 with Retry-After",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted",
+    )
+    g.add_argument("--no-access-log", action="store_true", help="no log line per request")
+    g.add_argument(
+        "--stats-interval", type=float, default=10.0, help="seconds between stats lines while busy (0: none)"
+    )
     p.set_defaults(func=run)
 
 
 def build_server(args: argparse.Namespace):
     """Engine, engine loop and app; returns (app, engine_loop)."""
+    from dynaspec.engine.args import check_at_least
     from dynaspec.engine.engine import Engine, EngineConfig
     from dynaspec.server.app import build_app
     from dynaspec.server.engine_loop import EngineLoop
+    from dynaspec.server.middleware import GuardConfig
 
+    check_at_least(("--max-body-bytes", args.max_body_bytes, 1), ("--max-waiting", args.max_waiting, 0))
+    if args.shutdown_timeout < 0 or args.stats_interval < 0:
+        raise ValueError("--shutdown-timeout and --stats-interval: must be >= 0")
     engine = Engine(EngineConfig(model=args.model, **engine_kwargs(args)))
-    loop = EngineLoop(engine)
-    return build_app(loop, args.served_model_name or args.model), loop
+    loop = EngineLoop(engine, max_waiting=args.max_waiting, stats_interval=args.stats_interval)
+    guard = GuardConfig(
+        api_key=args.api_key or None,
+        protect_metrics=args.protect_metrics,
+        max_body_bytes=args.max_body_bytes,
+        access_log=not args.no_access_log,
+    )
+    return build_app(loop, args.served_model_name or args.model, guard), loop
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from dynaspec.server.shutdown import GracefulServer
+
+    # what an operator reads (start, access lines, stats lines, shutdown) is logged at INFO
+    logging.getLogger("dynaspec").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     app, loop = build_server(args)
     loop.start()
-    print(
-        f"dynaspec serving {args.served_model_name or args.model} on http://{args.host}:{args.port}",
-        flush=True,
+    logging.getLogger("dynaspec.serve").info(
+        "dynaspec serving %s on http://%s:%d%s",
+        args.served_model_name or args.model,
+        args.host,
+        args.port,
+        " (API key required)" if args.api_key else "",
     )
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        GracefulServer(config, loop, args.shutdown_timeout).run()
     finally:
         loop.stop()
     return 0

@@ -15,7 +15,7 @@ import torch
 from dynaspec.engine.kv_cache import BlockAllocator, kv_bytes_per_token
 from dynaspec.engine.request import Request, RequestOutput
 from dynaspec.engine.runner import ModelRunner
-from dynaspec.engine.sampler import SamplingTensors
+from dynaspec.engine.sampler import SamplingTensors, score_prompts
 from dynaspec.engine.scheduler import Scheduler
 from dynaspec.engine.types import KPolicy, StepRecord, StepTiming
 from dynaspec.kpolicy.config import SpeculativeConfig
@@ -82,6 +82,7 @@ class EngineCounters:
     num_steps: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    chosen_k: int = 0  # the K chosen for the load at the last step with decodes
     spec: SpecStats = field(default_factory=SpecStats)
 
 
@@ -212,12 +213,14 @@ class Engine:
         self.proposer.release(plan.released)  # forget finished and preempted requests
         if plan.is_empty:
             return []
-        sampling = SamplingTensors.of(plan.sampled, self.device)  # temperature, top-k/p, seeds per row
+        # temperature, top-k/p, penalties, seeds and logprobs wanted per row
+        sampling = SamplingTensors.of(plan.sampled, self.model_config.vocab_size, self.device)
         drafts = self.proposer.propose(plan, sampling)  # up to k_caps[i] draft tokens per decode
         start = time.perf_counter()
         logits = self.runner.forward(plan, drafts)  # one target pass: last tokens + drafts + prefills
         target_ms = self._elapsed_ms(start)
-        result = verify(logits, drafts, sampling)  # rejection sampling: accepted drafts + one token each
+        result = verify(logits.sampled, drafts, sampling)  # accepted drafts + one token each, logprobs
+        result.prompt_logprobs = score_prompts(logits.prompts, plan.prefills)  # for prompt_logprobs
         self.proposer.commit(plan, result)  # e.g. draft-model KV catch-up
         self._observe(StepRecord(plan, result, StepTiming.of(plan, result, target_ms, drafts.passes)))
         return self.scheduler.update(plan, result)  # append, finish, free KV
@@ -231,6 +234,8 @@ class Engine:
         c = self.counters
         c.num_steps += 1
         c.num_generated_tokens += sum(len(t) for t in record.result.token_ids)
+        if record.plan.num_decodes:
+            c.chosen_k = record.plan.chosen_k
         c.spec.observe(record)
         if self._k_policy is not None:
             self._k_policy.observe(record)

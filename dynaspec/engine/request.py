@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from dynaspec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dynaspec.engine.types import TokenLogprob
 
 
 class Detokenizer(Protocol):
@@ -46,6 +49,13 @@ class Request:
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs set
+    # with params.prompt_logprobs set: one per prompt token scored so far (the first token's is None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +69,14 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def prompt_offsets_to_score(self, start: int, num_tokens: int) -> range:
+        """Offsets within the run of tokens [start, start + num_tokens) whose logits predict a prompt
+        token not yet scored (the logits at position j predict token j + 1)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        first = max(0, len(self.prompt_logprobs) - 1 - start)
+        return range(first, max(first, min(num_tokens, len(self.prompt_token_ids) - 1 - start)))
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -110,3 +128,5 @@ class RequestOutput:
     output_token_ids: list[int]  # all generated so far
     text: str  # all generated text so far (stop strings cut)
     num_prompt_tokens: int
+    new_logprobs: list[TokenLogprob] | None = None  # [len(new_token_ids)] with params.logprobs set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once finished, with params.prompt_logprobs

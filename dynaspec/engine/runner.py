@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dynaspec.engine.kv_cache import allocate_kv_cache
-from dynaspec.engine.types import Drafts, SchedulePlan
+from dynaspec.engine.types import Drafts, PromptLogits, SchedulePlan, TargetLogits
 from dynaspec.models.attention import build_attention_metadata
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.qlinear import kernel_error
@@ -36,31 +36,43 @@ class ModelRunner:
             device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and kernel_error() is None
         )
 
-    def forward(
-        self, plan: SchedulePlan, drafts: Drafts
-    ) -> torch.Tensor:  # [len(plan.sampled), k + 1, vocab]
+    def forward(self, plan: SchedulePlan, drafts: Drafts) -> TargetLogits:
         """The target's pass for a step: each decode's last token and drafts, then the prefill chunks.
 
-        Row i of the result holds the logits of ``plan.sampled[i]``: a decode's last token and
-        its draft tokens, or a completing prefill's last prompt token (rows past what a request
-        verifies are zero).
+        Row i of ``sampled`` holds the logits of ``plan.sampled[i]``: a decode's last token and its
+        draft tokens, or a completing prefill's last prompt token (rows past what a request
+        verifies are zero). Prefill chunks of requests that score their prompt also return the
+        logits of the positions that predict prompt tokens not scored yet.
         """
-        runs = []
+        runs, owners, scored = [], [], []  # scored: logit rows of each run that score prompt tokens
         draft_rows = drafts.token_ids.tolist()  # one copy to the host for the whole batch
         for r, row, n in zip(plan.decodes, draft_rows, drafts.draft_lens):
             last = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
             runs.append(TokenRun([last] + row[:n], r.num_computed_tokens, r.block_ids, list(range(n + 1))))
+            owners.append(r)
+            scored.append(0)
         for chunk in plan.prefills:
             r = chunk.request
             start = r.num_computed_tokens
-            rows = [chunk.num_tokens - 1] if chunk.completes else []
+            score = r.prompt_offsets_to_score(start, chunk.num_tokens)
+            rows = list(score) + ([chunk.num_tokens - 1] if chunk.completes else [])
             runs.append(TokenRun(r.token_at(start, start + chunk.num_tokens), start, r.block_ids, rows))
+            owners.append(r)
+            scored.append(len(score))
         flat = self.run(runs)  # [sum of logit rows, vocab]
-        lengths = [len(run.logit_rows) for run in runs if run.logit_rows]
-        out = flat.new_zeros(len(lengths), drafts.k + 1, flat.shape[-1])
-        for i, piece in enumerate(flat.split(lengths)):
-            out[i, : len(piece)] = piece
-        return out
+        sampled_rows = [run.logit_rows[n:] for run, n in zip(runs, scored)]
+        out = flat.new_zeros(sum(1 for rows in sampled_rows if rows), drafts.k + 1, flat.shape[-1])
+        prompts, row, at = [], 0, 0
+        for run, r, n, rows in zip(runs, owners, scored, sampled_rows):
+            if n:
+                first = run.start + run.logit_rows[0] + 1  # the first prompt token these rows predict
+                targets = r.prompt_token_ids[first : first + n]
+                prompts.append(PromptLogits(r.request_id, flat[at : at + n], targets))
+            if rows:
+                out[row, : len(rows)] = flat[at + n : at + n + len(rows)]
+                row += 1
+            at += n + len(rows)
+        return TargetLogits(out, prompts)
 
     def run(self, runs: list[TokenRun]) -> torch.Tensor:  # [sum(len(r.logit_rows)), vocab] float32
         """One forward pass over all runs; logits for the requested rows, in run order."""

@@ -2,11 +2,73 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dynaspec.engine.request import Request
+from dynaspec.engine.types import PrefillChunk, PromptLogits, TokenLogprob
+
+
+@dataclass(slots=True)
+class Penalties:
+    """Logit bias and presence, frequency and repetition penalties of a batch's rows.
+
+    They make a token's logit depend on the tokens before it, so under speculation position i of a
+    verify window (and the drafter's i-th draft) counts the output so far plus the window's first i
+    draft tokens: each position sees exactly the context the target alone would have seen there.
+    """
+
+    presence: torch.Tensor  # [batch] float32
+    frequency: torch.Tensor  # [batch] float32
+    repetition: torch.Tensor  # [batch] float32; 1 leaves logits as they are
+    output_counts: torch.Tensor  # [batch, vocab] float32: occurrences of each token in the output so far
+    prompt_mask: torch.Tensor  # [batch, vocab] bool: prompt tokens (context of the repetition penalty)
+    logit_bias: torch.Tensor  # [batch, vocab] float32
+
+    @classmethod
+    def of(cls, requests: list[Request], vocab_size: int, device: torch.device) -> Penalties | None:
+        """None when no request uses any (the common case costs nothing)."""
+        if not any(r.params.penalized for r in requests):
+            return None
+        batch = len(requests)
+        counts = torch.zeros(batch, vocab_size)
+        prompt_mask = torch.zeros(batch, vocab_size, dtype=torch.bool)
+        bias = torch.zeros(batch, vocab_size)
+        for i, r in enumerate(requests):
+            p = r.params
+            if not p.penalized:
+                continue
+            if r.output_token_ids:
+                ids = torch.tensor(r.output_token_ids, dtype=torch.long)
+                counts[i].index_add_(0, ids, torch.ones(len(ids)))
+            if p.repetition_penalty != 1.0:
+                prompt_mask[i, torch.tensor(r.prompt_token_ids, dtype=torch.long)] = True
+            for token_id, value in p.logit_bias.items():
+                if token_id < vocab_size:
+                    bias[i, token_id] = value
+        params = [r.params for r in requests]
+        return cls(
+            presence=torch.tensor([p.presence_penalty for p in params], device=device),
+            frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
+            repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
+            output_counts=counts.to(device),
+            prompt_mask=prompt_mask.to(device),
+            logit_bias=bias.to(device),
+        )
+
+    def rows(self, index: torch.Tensor) -> Penalties:  # index: [n] int64
+        return Penalties(*(t.index_select(0, index) for t in self._tensors()))
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.presence,
+            self.frequency,
+            self.repetition,
+            self.output_counts,
+            self.prompt_mask,
+            self.logit_bias,
+        )
 
 
 @dataclass(slots=True)
@@ -16,9 +78,11 @@ class SamplingTensors:
     top_p: torch.Tensor  # [batch] float32
     generators: list[torch.Generator]  # [batch] one per request, for reproducible seeds
     all_greedy: bool
+    penalties: Penalties | None = None  # None when no row uses a penalty or a logit bias
+    num_logprobs: list[int | None] = field(default_factory=list)  # [batch] top alternatives wanted
 
     @classmethod
-    def of(cls, requests: list[Request], device: torch.device) -> SamplingTensors:
+    def of(cls, requests: list[Request], vocab_size: int, device: torch.device) -> SamplingTensors:
         params = [r.params for r in requests]
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
@@ -26,7 +90,68 @@ class SamplingTensors:
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             generators=[r.generator for r in requests],
             all_greedy=all(p.greedy for p in params),
+            penalties=Penalties.of(requests, vocab_size, device),
+            num_logprobs=[p.logprobs for p in params],
         )
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [batch, positions, vocab] float32 (vocab may be a pruned draft head's)
+    penalties: Penalties,  # [batch]
+    window_tokens: torch.Tensor,  # [batch, >= first + positions - 1] int64: draft tokens of the window
+    first: int = 0,  # the window position of logits[:, 0]
+) -> torch.Tensor:  # [batch, positions, vocab]
+    """Logit bias, then repetition, frequency and presence penalties. Position i of ``logits`` sits
+    at window position first + i, whose context is the output so far and window_tokens[:, :first + i]."""
+    batch, positions, vocab = logits.shape
+    counts = penalties.output_counts[:, :vocab].clone()  # [batch, vocab]
+    if first:
+        counts.scatter_add_(
+            -1, window_tokens[:, :first], torch.ones_like(window_tokens[:, :first], dtype=counts.dtype)
+        )
+    counts = counts[:, None, :].expand(batch, positions, vocab)  # [batch, positions, vocab]
+    if positions > 1:
+        later = window_tokens[:, first : first + positions - 1, None]  # [batch, positions - 1, 1]
+        drafted = logits.new_zeros(batch, positions, vocab)
+        drafted[:, 1:].scatter_add_(-1, later, torch.ones_like(later, dtype=drafted.dtype))
+        counts = counts + drafted.cumsum(1)
+    seen = counts > 0
+    logits = logits + penalties.logit_bias[:, None, :vocab]
+    rep = penalties.repetition[:, None, None]
+    repeated = seen | penalties.prompt_mask[:, None, :vocab]
+    logits = torch.where(repeated, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - penalties.frequency[:, None, None] * counts - penalties.presence[:, None, None] * seen
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [rows, positions, vocab] raw target logits
+    token_ids: list[list[int]],  # [rows] tokens at positions 0.. of each row (at most positions)
+    num_top: list[int],  # [rows] alternatives wanted per row
+) -> list[list[TokenLogprob]]:  # [rows][len(token_ids[row])]
+    """Log-probabilities of the given tokens under the raw distribution (the model's log-softmax,
+    before penalties, temperature, top-k and top-p), with each position's most likely tokens."""
+    rows, positions, _ = logits.shape
+    logp = logits.float().log_softmax(-1)
+    ids = torch.zeros(rows, positions, dtype=torch.long)
+    for r, row in enumerate(token_ids):
+        ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+    ids = ids.to(logits.device)
+    chosen = logp.gather(-1, ids[..., None])  # [rows, positions, 1]
+    rank = (logp > chosen).sum(-1) + 1  # [rows, positions]
+    n = max(num_top, default=0)
+    top = logp.topk(n, dim=-1) if n else None
+    chosen_l, rank_l = chosen[..., 0].tolist(), rank.tolist()  # the host copies of the whole batch
+    top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
+    out = []
+    for r, row in enumerate(token_ids):
+        entries = []
+        for j in range(len(row)):
+            alternatives = (
+                list(zip(top_i[r][j][: num_top[r]], top_v[r][j][: num_top[r]])) if top is not None else []
+            )
+            entries.append(TokenLogprob(chosen_l[r][j], rank_l[r][j], alternatives))
+        out.append(entries)
+    return out
 
 
 def processed_probs(
@@ -64,3 +189,14 @@ def processed_probs(
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:  # probs: [vocab]
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def score_prompts(
+    prompts: list[PromptLogits], prefills: list[PrefillChunk]
+) -> dict[str, list[TokenLogprob]]:  # request id -> one TokenLogprob per prompt token scored
+    """Raw log-probabilities of the prompt tokens a step's prefill chunks scored."""
+    wanted = {c.request.request_id: c.request.params.prompt_logprobs or 0 for c in prefills}
+    return {
+        p.request_id: token_logprobs(p.logits[None], [p.token_ids], [wanted[p.request_id]])[0]
+        for p in prompts
+    }

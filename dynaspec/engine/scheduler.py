@@ -14,7 +14,14 @@ from collections.abc import Callable
 
 from dynaspec.engine.kv_cache import BlockAllocator
 from dynaspec.engine.request import FinishReason, Request, RequestOutput, RequestStatus
-from dynaspec.engine.types import DraftCandidate, KPolicy, PrefillChunk, SchedulePlan, StepResult
+from dynaspec.engine.types import (
+    DraftCandidate,
+    KPolicy,
+    PrefillChunk,
+    SchedulePlan,
+    StepResult,
+    TokenLogprob,
+)
 
 
 class Scheduler:
@@ -118,24 +125,34 @@ class Scheduler:
     def update(self, plan: SchedulePlan, result: StepResult) -> list[RequestOutput]:
         """Apply a step's tokens: advance computed counts, append, finish and free."""
         for chunk in plan.prefills:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+            r = chunk.request
+            r.num_computed_tokens += chunk.num_tokens
+            if r.prompt_logprobs is not None:
+                r.prompt_logprobs.extend(result.prompt_logprobs.get(r.request_id, []))
         outputs = []
-        for r, tokens in zip(plan.sampled, result.token_ids):
+        logprobs = result.logprobs or [None] * len(result.token_ids)
+        for r, tokens, token_logprobs in zip(plan.sampled, result.token_ids, logprobs):
             if r.status is not RequestStatus.RUNNING:
                 continue
             if r.is_decoding:  # the last token and the accepted drafts now have valid K/V
                 r.num_computed_tokens += len(tokens)
             emitted = []
-            finished = False
-            for t in tokens:
+            finished = r.tokens_left == 0  # max_tokens 0: the prompt was only scored
+            if finished:
+                r.finish_reason = FinishReason.LENGTH
+            for t in [] if finished else tokens:
                 emitted.append(t)
                 if r.append(t):
                     finished = True
                     break
+            new_logprobs = None
+            if token_logprobs is not None:
+                new_logprobs = token_logprobs[: len(emitted)]
+                r.output_logprobs.extend(new_logprobs)
             if finished:
                 self.running.remove(r)
                 self._finish(r, r.finish_reason)
-            outputs.append(_output(r, emitted))
+            outputs.append(_output(r, emitted, new_logprobs))
         return outputs
 
     def _finish(self, r: Request, reason: FinishReason | None) -> None:
@@ -165,13 +182,18 @@ class Scheduler:
         self.num_preemptions += 1
 
 
-def _output(r: Request, new_token_ids: list[int]) -> RequestOutput:
+def _output(
+    r: Request, new_token_ids: list[int], new_logprobs: list[TokenLogprob] | None = None
+) -> RequestOutput:
+    finished = r.status is RequestStatus.FINISHED
     return RequestOutput(
         request_id=r.request_id,
         new_token_ids=new_token_ids,
-        finished=r.status is RequestStatus.FINISHED,
+        finished=finished,
         finish_reason=r.finish_reason,
         output_token_ids=list(r.output_token_ids),
         text=r.output_text,
         num_prompt_tokens=len(r.prompt_token_ids),
+        new_logprobs=new_logprobs,
+        prompt_logprobs=r.prompt_logprobs if finished else None,
     )

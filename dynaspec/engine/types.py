@@ -79,10 +79,38 @@ class Drafts:
         return self.token_ids.shape[1]
 
 
+class TokenLogprob(NamedTuple):
+    """A token's log-probability under the target's raw distribution, and the most likely tokens."""
+
+    logprob: float
+    rank: int  # 1 for the most likely token
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+@dataclass(slots=True)
+class PromptLogits:
+    """Target logits over part of a prompt whose tokens are scored (``prompt_logprobs``)."""
+
+    request_id: str
+    logits: torch.Tensor  # [len(token_ids), vocab] float32: row j predicts token_ids[j]
+    token_ids: list[int]  # the prompt tokens scored, in order
+
+
+@dataclass(slots=True)
+class TargetLogits:
+    """What the target's pass of a step returns."""
+
+    sampled: torch.Tensor  # [len(plan.sampled), k + 1, vocab] float32: decodes' windows, completing prefills
+    prompts: list[PromptLogits] = field(default_factory=list)  # prefill chunks that score their prompt
+
+
 @dataclass(slots=True)
 class StepResult:
     token_ids: list[list[int]]  # per plan.sampled request: its accepted draft tokens, then one sampled token
     draft_lens: list[int]  # [num_decodes] draft tokens each decode verified
+    # per plan.sampled request: one TokenLogprob per emitted token, or None if it asked for none
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # request id -> scored
 
     @property
     def num_accepted(self) -> list[int]:

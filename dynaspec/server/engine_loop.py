@@ -3,6 +3,9 @@
 Only the loop thread touches the engine. Handlers submit work and aborts through a lock-protected
 inbox and receive each step's outputs on their own asyncio queue (``call_soon_threadsafe``).
 When nothing is running, the thread sleeps on a condition until work arrives.
+
+The loop also guards admission (a bound on waiting requests; nothing new while draining for
+shutdown) and, while busy, logs a stats line every ``stats_interval`` seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +24,14 @@ from dynaspec.server.metrics import Metrics
 log = logging.getLogger(__name__)
 
 
+class Unavailable(Exception):
+    """The server takes no new requests now (full, or shutting down): a 503 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(slots=True)
 class _Submission:
     prompt: str | list[int] | list[dict]
@@ -29,6 +40,17 @@ class _Submission:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     accepted: asyncio.Future
+
+
+@dataclass(slots=True)
+class _StatsWindow:
+    """Counters at the last stats line, to print rates since then."""
+
+    time: float
+    prompt_tokens: int
+    generated_tokens: int
+    draft_tokens: int
+    accepted_tokens: int
 
 
 @dataclass(slots=True)
@@ -42,16 +64,27 @@ class Snapshot:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: Metrics | None = None,
+        max_waiting: int | None = None,  # None: no bound on requests waiting for a slot
+        stats_interval: float = 10.0,  # seconds between stats lines while busy; 0: none
+    ) -> None:
         self.engine = engine
         self.metrics = metrics or Metrics()
+        self.max_waiting = max_waiting
+        self.stats_interval = stats_interval
         self.snapshot = Snapshot()
         self._cond = threading.Condition()
         self._inbox: list[_Submission] = []
         self._aborts: list[str] = []
+        self._abort_all = False
+        self._draining = False
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="dynaspec-engine", daemon=True)
+        self._window = self._stats_window()
         self._refresh()
 
     def start(self) -> None:
@@ -63,37 +96,84 @@ class EngineLoop:
             self._cond.notify()
         self._thread.join(timeout=30)
 
-    async def submit(self, prompt, params: SamplingParams, request_id: str) -> asyncio.Queue:
-        """Queue a request; returns the queue its RequestOutputs arrive on. Bad input raises ValueError."""
+    async def submit(
+        self, requests: list[tuple[str | list[int] | list[dict], SamplingParams, str]]
+    ) -> asyncio.Queue:
+        """Queue (prompt, params, request id) triples as one unit; returns the one queue their
+        RequestOutputs arrive on. Bad input raises ValueError (and none of them runs); a full or
+        draining server raises Unavailable."""
         loop = asyncio.get_running_loop()
-        sub = _Submission(prompt, params, request_id, loop, asyncio.Queue(), loop.create_future())
+        queue: asyncio.Queue = asyncio.Queue()
+        subs = [_Submission(p, sp, rid, loop, queue, loop.create_future()) for p, sp, rid in requests]
         with self._cond:
-            self._inbox.append(sub)
+            if self._draining:
+                raise Unavailable("the server is shutting down", retry_after_s=5)
+            waiting = self.snapshot.waiting + len(self._inbox)
+            if self.max_waiting is not None and waiting + len(subs) > self.max_waiting:
+                raise Unavailable(f"the server is full: {waiting} requests waiting (--max-waiting)")
+            self._inbox.extend(subs)
             self._cond.notify()
-        await sub.accepted
-        return sub.queue
+        try:
+            for sub in subs:
+                await sub.accepted
+        except BaseException:
+            for sub in subs:
+                self.abort(sub.request_id)
+            raise
+        return queue
 
     def abort(self, request_id: str) -> None:
         with self._cond:
             self._aborts.append(request_id)
             self._cond.notify()
 
+    def drain(self) -> None:
+        """Take no new requests (Unavailable) from now on; running ones go on."""
+        with self._cond:
+            self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def busy(self) -> bool:
+        """Requests queued, running or still being delivered."""
+        with self._cond:
+            return bool(self._inbox or self._streams or self.engine.has_unfinished())
+
+    def abort_all(self) -> None:
+        """Abort every request; each one's stream gets a final output with finish reason abort."""
+        with self._cond:
+            self._abort_all = True
+            self._cond.notify()
+
     # ---- the loop thread ------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stop or self._inbox or self._aborts or self.engine.has_unfinished()):
+                while not (
+                    self._stop
+                    or self._inbox
+                    or self._aborts
+                    or self._abort_all
+                    or self.engine.has_unfinished()
+                ):
                     self._cond.wait()
                 if self._stop:
                     return
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
+                abort_all, self._abort_all = self._abort_all, False
             for sub in inbox:
                 self._admit(sub)
             for request_id in aborts:
                 if self.engine.abort(request_id):
                     self.metrics.request_aborted()
                 self._streams.pop(request_id, None)
+            if abort_all:
+                for out in self._fail_running():
+                    self._deliver(out)
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()
@@ -103,6 +183,7 @@ class EngineLoop:
                 for out in outputs:
                     self._deliver(out)
             self._refresh()
+            self._log_stats()
 
     def _admit(self, sub: _Submission) -> None:
         try:
@@ -127,6 +208,7 @@ class EngineLoop:
         loop.call_soon_threadsafe(queue.put_nowait, out)
 
     def _fail_running(self) -> list[RequestOutput]:
+        """Abort every request; their final outputs (finish reason abort)."""
         outputs = []
         for r in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
             self.engine.abort(r.request_id)
@@ -142,6 +224,40 @@ class EngineLoop:
                 )
             )
         return outputs
+
+    def _stats_window(self) -> _StatsWindow:
+        c = self.engine.counters
+        return _StatsWindow(
+            time.monotonic(),
+            c.num_prompt_tokens,
+            c.num_generated_tokens,
+            c.spec.num_draft_tokens,
+            c.spec.num_accepted_tokens,
+        )
+
+    def _log_stats(self) -> None:
+        """One line every stats_interval seconds while there is work, as the reference engine prints."""
+        now = time.monotonic()
+        if not self.stats_interval or now - self._window.time < self.stats_interval:
+            return
+        before, after = self._window, self._stats_window()
+        self._window = after
+        snap = self.snapshot
+        generated = after.generated_tokens - before.generated_tokens
+        if not (generated or snap.running or snap.waiting):
+            return
+        elapsed = after.time - before.time
+        line = (
+            f"prompt {(after.prompt_tokens - before.prompt_tokens) / elapsed:.1f} tok/s, "
+            f"generation {generated / elapsed:.1f} tok/s, running {snap.running}, "
+            f"waiting {snap.waiting}, KV cache {100 * snap.kv_cache_usage:.1f}%"
+        )
+        if self.engine.k_policy is not None:
+            drafted = after.draft_tokens - before.draft_tokens
+            accepted = after.accepted_tokens - before.accepted_tokens
+            rate = f"{accepted / drafted:.2f}" if drafted else "n/a"
+            line += f", K chosen {self.engine.counters.chosen_k}, acceptance {rate}"
+        log.info("%s", line)
 
     def _refresh(self) -> None:
         s = self.engine.scheduler

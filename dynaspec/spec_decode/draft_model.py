@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from dynaspec.engine.kv_cache import kv_bytes_per_token
 from dynaspec.engine.runner import ModelRunner, TokenRun
-from dynaspec.engine.sampler import SamplingTensors, processed_probs
+from dynaspec.engine.sampler import SamplingTensors, apply_penalties, processed_probs
 from dynaspec.engine.types import DraftPass, Drafts, SchedulePlan, StepResult
 from dynaspec.models.build import effective_quantization
 from dynaspec.models.loader import compute_dtypes, load_model, resolve_model
@@ -91,6 +91,8 @@ class DraftModelProposer(Proposer):
             extra = sum(len(r.token_ids) for r in runs) - rows
             passes.append(DraftPass(rows, extra, self._elapsed_ms(start)))
             idx = torch.tensor(active, dtype=torch.long, device=self.ctx.device)
+            if sampling.penalties is not None:  # draft j's context: the output and drafts 0..j-1
+                logits = apply_penalties(logits, sampling.penalties.rows(idx), tokens.index_select(0, idx), j)
             if want_probs:
                 q = processed_probs(
                     logits, sampling.temperature[idx], sampling.top_k[idx], sampling.top_p[idx]

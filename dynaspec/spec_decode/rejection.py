@@ -5,14 +5,25 @@ probability min(1, p(x) / q(x)); at the first rejection they sample from normali
 after all drafts are accepted they sample a bonus token from p. The emitted sequence is thus
 distributed exactly as the target's own samples. q is the draft's processed distribution, or a
 one-hot at the draft token for deterministic proposers (n-gram).
+
+Penalties and logit bias are applied to the target's logits first, each window position with the
+draft tokens before it counted as context (the drafter applies them alike), so the distribution
+verified is the penalized one. Log-probabilities are reported from the raw target logits of the
+same pass, for accepted draft tokens as for the recovered or bonus one.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dynaspec.engine.sampler import SamplingTensors, processed_probs, sample_from
-from dynaspec.engine.types import Drafts, StepResult
+from dynaspec.engine.sampler import (
+    SamplingTensors,
+    apply_penalties,
+    processed_probs,
+    sample_from,
+    token_logprobs,
+)
+from dynaspec.engine.types import Drafts, StepResult, TokenLogprob
 
 
 def verify(
@@ -27,8 +38,34 @@ def verify(
     probs = drafts.probs
     if probs is not None and extra:
         probs = torch.cat([probs, probs.new_zeros(extra, *probs.shape[1:])])
-    emitted = rejection_sample(target_logits, tokens, drafts.draft_lens + [0] * extra, probs, sampling)
-    return StepResult(token_ids=emitted, draft_lens=list(drafts.draft_lens))
+    logits = target_logits
+    if sampling.penalties is not None:
+        logits = apply_penalties(target_logits, sampling.penalties, tokens)
+    emitted = rejection_sample(logits, tokens, drafts.draft_lens + [0] * extra, probs, sampling)
+    return StepResult(
+        token_ids=emitted,
+        draft_lens=list(drafts.draft_lens),
+        logprobs=emitted_logprobs(target_logits, emitted, sampling.num_logprobs),
+    )
+
+
+def emitted_logprobs(
+    target_logits: torch.Tensor,  # [batch, k + 1, vocab] raw
+    emitted: list[list[int]],  # [batch] tokens emitted at window positions 0..
+    num_logprobs: list[int | None],  # [batch] None: the row wants none
+) -> list[list[TokenLogprob] | None]:
+    """The raw target log-probabilities of each row's emitted tokens, from the verify pass."""
+    rows = [b for b, n in enumerate(num_logprobs) if n is not None]
+    out: list[list[TokenLogprob] | None] = [None] * len(emitted)
+    if not rows:
+        return out
+    index = torch.tensor(rows, dtype=torch.long, device=target_logits.device)
+    scored = token_logprobs(
+        target_logits.index_select(0, index), [emitted[b] for b in rows], [num_logprobs[b] for b in rows]
+    )
+    for b, entries in zip(rows, scored):
+        out[b] = entries
+    return out
 
 
 def rejection_sample(
