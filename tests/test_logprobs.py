@@ -4,10 +4,9 @@ scoring (prompt_logprobs, max_tokens 0) matches the model's own forward pass."""
 import pytest
 import torch
 from test_engine import PROMPTS, make_engine
-from tiny import dynaspec_logits
+from tiny import dynaspec_logits, load_hf_dir
 
 from dynaspec import SamplingParams
-from dynaspec.models.loader import load_hf_dir
 
 SPECS = {
     "plain": None,

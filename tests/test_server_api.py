@@ -7,9 +7,7 @@ import httpx
 import openai
 import pytest
 from server_util import running_server
-from tiny import dynaspec_logits
-
-from dynaspec.models.loader import load_hf_dir
+from tiny import dynaspec_logits, load_hf_dir
 
 SPECS = {
     "plain": None,
