@@ -15,6 +15,7 @@ from torch import nn
 
 from dynaspec.models.attention import AttentionMetadata, paged_attention
 from dynaspec.models.config import ModelConfig
+from dynaspec.models.qlinear import kernel_error
 
 
 class Linear(nn.Linear):
@@ -34,6 +35,12 @@ class Linear(nn.Linear):
 _HALF = (torch.bfloat16, torch.float16)
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Whether the C++ per-row ops (csrc/fused.cpp) take this tensor: float32 on a CPU that built them.
+    They are batch invariant and replace several small torch ops each."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and kernel_error() is None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -41,11 +48,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x) and self.weight.dtype == torch.float32:
+            return torch.ops.dynaspec.rms_norm(x.contiguous(), self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         # elementwise bf16 ops are ~100x slower than float32 on CPU: multiply in float32
         return (self.weight.float() * x32).to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, the norm of that): a residual add and the next norm, fused where possible."""
+        if _fused(x) and self.weight.dtype == torch.float32:
+            fused = torch.ops.dynaspec.add_rms_norm
+            return fused(x.contiguous(), residual.contiguous(), self.weight, self.eps)
+        total = x + residual
+        return total, self.forward(total)
 
 
 class RotaryEmbedding(nn.Module):
@@ -120,8 +137,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = _rotate(q, cos, sin)
-        k = _rotate(k, cos, sin)
+        if _fused(q):
+            q, k = q.contiguous(), k.contiguous()
+            torch.ops.dynaspec.rope_qk_(q, k, cos, sin)
+        else:
+            q = _rotate(q, cos, sin)
+            k = _rotate(k, cos, sin)
         out = paged_attention(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -134,7 +155,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).float().chunk(2, dim=-1)  # float32: see RMSNorm
+        gate_up = self.gate_up_proj(x)
+        if _fused(gate_up):
+            return self.down_proj(torch.ops.dynaspec.silu_mul(gate_up.contiguous()))
+        gate, up = gate_up.float().chunk(2, dim=-1)  # float32: see RMSNorm
         return self.down_proj((F.silu(gate) * up).to(x.dtype))
 
 
@@ -146,9 +170,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta):
+        """x: the previous layer's output, residual: the stream it adds to (None for the first
+        layer, whose input is the embedding). Returns (this layer's output, the stream)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, k_cache, v_cache, meta)
+        residual, h = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -181,9 +212,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
+        residual = None
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta)
+        return self.model.norm.add_forward(x, residual)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32

@@ -25,7 +25,7 @@ from torch import nn
 
 from dynaspec.models.gguf_blocks import GroupedWeight, decode_reader_tensor
 
-KERNEL_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("qmatmul.cpp", "attention.cpp")]
+KERNEL_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("qmatmul.cpp", "attention.cpp", "fused.cpp")]
 KERNEL_LANES = 16  # output columns per packed tile of the C++ kernel
 KERNEL_GROUPS = (16, 32)  # group sizes the C++ kernel takes
 KERNEL_COLUMN_MULTIPLE = 32  # the kernel computes two tiles at a time: columns are padded to this
@@ -41,8 +41,8 @@ NO_AMX = 2**62  # an amx_min_rows that keeps every call on the VNNI loop
 
 @functools.cache
 def kernel_error() -> str | None:
-    """None when the C++ operators (quantized matmul, row-wise paged attention) are loaded (built on
-    first use, cached in torch's extension directory under the user cache), else why they are not."""
+    """None when the C++ operators (quantized matmul, row-wise paged attention, fused norm/RoPE/SiLU)
+    are loaded (built on first use, cached in torch's extension directory), else why they are not."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the VNNI kernel needs x86-64, not {platform.machine()}"
     try:
@@ -270,6 +270,22 @@ class QuantLinear(nn.Module):
         return cls(weight, bias, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.dim() == 2 and x.dtype == torch.float32 and self.path == "vnni":
+            # the decode hot path, called ~130 times a step: no reshapes, no casts, no module hop
+            v = self.impl
+            y = torch.ops.dynaspec.qmm_vnni(
+                x,
+                v.packed,
+                v.scales_f32,
+                v.scales_sub,
+                v.n_out,
+                v.group,
+                v.bits,
+                v.mode,
+                v.super_groups,
+                v.amx_min_rows,
+            )
+            return y if self.bias is None else y.add_(self.bias)
         flat = x.reshape(-1, self.in_features)
         y = self.impl(flat)
         if self.bias is not None:
