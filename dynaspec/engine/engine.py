@@ -8,6 +8,7 @@ import logging
 import random
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -99,18 +100,21 @@ class Engine:
         self.config = config
         device = config.torch_device
         source = resolve_model(config.model, progress=config.progress)
-        self.tokenizer = source.tokenizer()
         self.quantization = effective_quantization(config.quantization, source.is_gguf, device)
         dtype, kv_dtype = compute_dtypes(config.dtype, self.quantization)
         self.dtype, self.kv_dtype = dtype, kv_dtype
+        # the tokenizer (a second of Python in transformers) loads while the weights are unpacked
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(source.tokenizer)
+            model = load_model(source, config.quantization, dtype, device, progress=config.progress)
+            self.tokenizer = tokenizer.result()
+        model_config = self.model_config = model.config
         self.proposer = make_proposer(
             config.speculative_config,
             ProposerContext(
                 self.tokenizer, dtype, device, config.block_size, config.quantization, kv_dtype, config.dtype
             ),
         )
-        model = load_model(source, config.quantization, dtype, device, progress=config.progress)
-        model_config = self.model_config = model.config
 
         bytes_per_token = kv_bytes_per_token(model_config, kv_dtype) + self.proposer.kv_bytes_per_token()
         num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // (bytes_per_token * config.block_size))

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from dynaspec.models.kernels import kernel_error
+
 QK_K = 256  # weights per K-quant super-block
 DECODE_CHUNK_BLOCKS = 1 << 13  # blocks decoded at a time, so the temporaries stay in cache
 
@@ -118,10 +120,10 @@ def _q8_0(b: np.ndarray):
     return np.ascontiguousarray(b[:, 2:34]).view(np.int8), d[:, None], None, 32, 8, None
 
 
-def _k_affine(b: np.ndarray, qh: np.ndarray | None, qs: np.ndarray):
+def _k_affine(b: np.ndarray, qh: np.ndarray | None, qs: np.ndarray | None):
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, m = _k_scales(b[:, 4:16])
-    q = _nibbles(qs, 32)
+    q = None if qs is None else _nibbles(qs, 32)
     if qh is not None:
         q = q | (_high_bits(qh, 1) << 4)
     scales, offsets = d[:, None] * sc.astype(np.float32), -(dmin[:, None] * m.astype(np.float32))
@@ -138,10 +140,17 @@ def _q5_k(b: np.ndarray):
     return q, scales, offsets, group, 5, sup
 
 
-def _q6_k(b: np.ndarray):
-    low = _nibbles(b[:, 0:128], 64)  # [n, 256]: halves of 128, each low nibbles then high nibbles
-    high = _high_bits(b[:, 128:192].reshape(-1, 32), 2).reshape(-1, QK_K)  # per half: 4 fields x 32
-    q = (low | (high << 4)).astype(np.int8) - 32
+def _q4_k_scales(b: np.ndarray):  # _q4_k without the codes (csrc/unpack.cpp gives those)
+    _, scales, offsets, group, sup = _k_affine(b, None, None)
+    return None, scales, offsets, group, 4, sup
+
+
+def _q6_k(b: np.ndarray, codes: bool = True):
+    q = None
+    if codes:
+        low = _nibbles(b[:, 0:128], 64)  # [n, 256]: halves of 128, each low nibbles then high nibbles
+        high = _high_bits(b[:, 128:192].reshape(-1, 32), 2).reshape(-1, QK_K)  # per half: 4 fields x 32
+        q = (low | (high << 4)).astype(np.int8) - 32
     sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
     d = _f16(b[:, 208:210])
     return q, d[:, None] * sc, None, 16, 6, (d, sc.astype(np.int8), None, None)
@@ -156,6 +165,12 @@ _DECODERS = {
     GGMLQuantizationType.Q4_K: _q4_k,
     GGMLQuantizationType.Q5_K: _q5_k,
     GGMLQuantizationType.Q6_K: _q6_k,
+}
+# Types whose codes the C++ unpacker gives (in parallel, straight from the bytes) when the kernels
+# are built; numpy then decodes only their scales.
+_SCALE_DECODERS = {
+    GGMLQuantizationType.Q4_K: _q4_k_scales,
+    GGMLQuantizationType.Q6_K: lambda b: _q6_k(b, codes=False),
 }
 DENSE_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 SUPPORTED_TYPES = (*_DECODERS, *DENSE_TYPES)
@@ -187,10 +202,16 @@ def decode_blocks(
     if n_in % block_size or raw.size != out * n_in // block_size * type_size:
         raise ValueError(f"{name}: {raw.size} bytes do not hold a {qtype.name} tensor of shape {shape}")
     blocks = raw.reshape(-1, type_size)
+    native = qtype in _SCALE_DECODERS and kernel_error() is None
+    if native:
+        decoder = _SCALE_DECODERS[qtype]
     chunks = [
         decoder(blocks[i : i + DECODE_CHUNK_BLOCKS]) for i in range(0, len(blocks), DECODE_CHUNK_BLOCKS)
     ]
     q, scales, offsets, group, bits, sup = _concat(chunks)
+    if native:
+        src = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
+        q = torch.ops.dynaspec.gguf_codes(src, int(qtype), out, n_in).numpy()
     groups = n_in // group
     superblocks = None
     if sup is not None:  # one super-block per GGUF block

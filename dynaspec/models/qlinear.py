@@ -14,18 +14,13 @@ chosen at construction:
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import platform
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dynaspec.models.gguf_blocks import GroupedWeight, decode_reader_tensor
+from dynaspec.models.kernels import kernel_error
 
-KERNEL_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("qmatmul.cpp", "attention.cpp", "fused.cpp")]
 KERNEL_LANES = 16  # output columns per packed tile of the C++ kernel
 KERNEL_GROUPS = (16, 32)  # group sizes the C++ kernel takes
 KERNEL_COLUMN_MULTIPLE = 32  # the kernel computes two tiles at a time: columns are padded to this
@@ -37,39 +32,6 @@ PATHS = ("vnni", "int4", "int8", "dense")
 AMX_MIN_ROWS = 12
 SCALE_F32, SCALE_F16, SCALE_SUPER = 0, 1, 2  # the kernel's scale modes (csrc/qmatmul.cpp ScaleMode)
 NO_AMX = 2**62  # an amx_min_rows that keeps every call on the VNNI loop
-
-
-@functools.cache
-def kernel_error() -> str | None:
-    """None when the C++ operators (quantized matmul, row-wise paged attention, fused norm/RoPE/SiLU)
-    are loaded (built on first use, cached in torch's extension directory), else why they are not."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"the VNNI kernel needs x86-64, not {platform.machine()}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    missing = [flag for flag in ("avx512f", "avx512bw", "avx512_vnni") if flag not in flags]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    try:
-        from torch.utils import cpp_extension
-
-        # named by the sources' hash: two versions of dynaspec (or two checkouts) never rebuild
-        # each other's copy in torch's shared extension directory
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in KERNEL_SOURCES)).hexdigest()[:12]
-        cpp_extension.load(
-            name=f"dynaspec_kernels_{digest}",
-            sources=[str(p) for p in KERNEL_SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP in the headers
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, any build failure: the built-in paths still work
-        return f"building the C++ kernels failed: {type(e).__name__}: {str(e).strip()[-400:]}"
-    return None
 
 
 def default_path(weight: GroupedWeight) -> str:
