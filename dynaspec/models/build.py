@@ -170,7 +170,8 @@ def build_model(
     if raw is not None:
         model.model.embed_tokens = QuantEmbedding(*raw, dtype=dtype)
     else:
-        model.model.embed_tokens = nn.Embedding(config.vocab_size, hidden, device="meta")
+        weight = torch.empty(config.vocab_size, hidden, device="meta")
+        model.model.embed_tokens = nn.Embedding(config.vocab_size, hidden, _weight=weight)
         model.model.embed_tokens.weight = dense_param(embed_name, (config.vocab_size, hidden))
 
     head_name = embed_name if config.tie_word_embeddings else "lm_head.weight"

@@ -71,7 +71,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        # on the CPU even inside a meta-device build (a meta arange imports torch._dynamo: seconds)
+        steps = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu")
+        inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
         if config.rope_scaling is not None:
             inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim / 2]
@@ -185,7 +187,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # given a weight, nn.Embedding skips its random init (on the meta device that init imports
+        # torch._dynamo: 2 s of start-up)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
