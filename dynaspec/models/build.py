@@ -163,8 +163,6 @@ def build_model(
         return nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False)
 
     hidden = config.hidden_size
-    # embedding and head first: the head's packing temporaries (the largest tensor) come before the
-    # layers are resident
     embed_name = "model.embed_tokens.weight"
     raw = checkpoint.embedding_rows(embed_name) if mode == "gguf" else None
     if raw is not None:
@@ -176,10 +174,12 @@ def build_model(
 
     head_name = embed_name if config.tie_word_embeddings else "lm_head.weight"
     rows = head_rows or config.vocab_size
-    if mode == "none" and config.tie_word_embeddings and rows == config.vocab_size:
-        model.lm_head = Linear(hidden, rows, bias=False, device="meta")
-        model.lm_head.weight = model.model.embed_tokens.weight  # shared, not copied
-    else:
+
+    def build_head() -> None:
+        if mode == "none" and config.tie_word_embeddings and rows == config.vocab_size:
+            model.lm_head = Linear(hidden, rows, bias=False, device="meta")
+            model.lm_head.weight = model.model.embed_tokens.weight  # shared, not copied
+            return
         head = get(head_name, (config.vocab_size, hidden))
         if rows < config.vocab_size:
             keep = torch.arange(rows)
@@ -211,9 +211,11 @@ def build_model(
                     f"{prefix}self_attn.{norm}.weight", (config.head_dim,)
                 )
 
-    # decoding and packing are numpy/torch array work that releases the GIL: layers in parallel
+    # decoding and packing are numpy/torch/C++ array work that releases the GIL: tensors in parallel,
+    # the head (the largest) first, so its temporaries come before most layers are resident
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        futures = [pool.submit(build_layer, i) for i in range(config.num_hidden_layers)]
+        futures = [pool.submit(build_head)]
+        futures += [pool.submit(build_layer, i) for i in range(config.num_hidden_layers)]
         for future in tqdm(futures, desc="loading layers", unit="layer", disable=not progress):
             future.result()
     model.model.norm.weight = dense_param("model.norm.weight", (hidden,))
