@@ -79,12 +79,10 @@ def run(args: argparse.Namespace) -> int:
 
     runners = {"dynaspec": dynaspec_run}
     if "llama.cpp" in names:
-        why = llamacpp.available() or (None if source.gguf else f"{args.model} is not a GGUF file or pack")
-        if why:
-            print(f"llama.cpp reference skipped: {why}")
-        else:
+        gguf = llamacpp.reference_file(args.model)
+        if gguf is not None:
             threads = args.threads or torch.get_num_threads()
-            lc = llamacpp.LlamaCppBatch(source.gguf, threads, max(sizes))
+            lc = llamacpp.LlamaCppBatch(gguf, threads, max(sizes))
             runners["llama.cpp"] = lambda batch, n: lc.generate(batch, n)[:2]
     if "transformers" in names:
         from transformers import AutoModelForCausalLM

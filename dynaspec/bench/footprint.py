@@ -60,7 +60,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dynaspec.bench import llamacpp
-    from dynaspec.models.loader import resolve_model
     from dynaspec.models.packs import PACKS, pack_dir
 
     base = {"model": args.model, "quantization": args.quantization, "prompt": PROMPT}
@@ -68,12 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if args.draft:
         spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": 4}
         configs.append(dict(base, engine="dynaspec", name="dynaspec target + drafter", spec=spec))
-    if not args.no_llamacpp:
-        why = llamacpp.available() or (None if resolve_model(args.model).gguf else "not a GGUF model")
-        if why:
-            print(f"llama.cpp reference skipped: {why}")
-        else:
-            configs.append(dict(base, engine="llama.cpp", name="llama.cpp", threads=torch.get_num_threads()))
+    if not args.no_llamacpp and llamacpp.reference_file(args.model) is not None:
+        configs.append(dict(base, engine="llama.cpp", name="llama.cpp", threads=torch.get_num_threads()))
     samples: dict[str, list[tuple[float, int]]] = {c["name"]: [] for c in configs}
     for c in configs:  # warm the file cache
         _child(c)

@@ -38,6 +38,19 @@ def available() -> str | None:
     return None
 
 
+def reference_file(model: str) -> Path | None:
+    """The GGUF file llama.cpp should run as the reference for `model`, or None (saying why) when
+    llama-cpp-python is missing or the model is not a GGUF file or pack."""
+    from dynaspec.models.loader import resolve_model
+
+    gguf = resolve_model(model).gguf
+    why = available() or (None if gguf else f"{model} is not a GGUF file or pack")
+    if why:
+        print(f"llama.cpp reference skipped: {why}")
+        return None
+    return gguf
+
+
 class LlamaCppBatch:
     """A llama.cpp model and context for up to `max_seqs` sequences decoded together."""
 

@@ -84,19 +84,15 @@ def run(args: argparse.Namespace) -> int:
         results[name] = math.exp(nll / count)
         print(f"{name}: perplexity {results[name]:.4f} over {count} tokens", flush=True)
         del engine
-    if not args.no_llamacpp:
-        why = llamacpp.available() or (None if source.gguf else "not a GGUF model")
-        if why:
-            print(f"llama.cpp reference skipped: {why}")
-        else:
-            lc = llamacpp.LlamaCppBatch(source.gguf, torch.get_num_threads(), 1, n_ctx=args.ctx + 16)
-            nll, count = 0.0, 0
-            for chunk in chunks:
-                a, b = _nll(lc.logits(chunk), chunk, half - 1)
-                nll, count = nll + a, count + b
-            lc.close()
-            results["llama.cpp"] = math.exp(nll / count)
-            print(f"llama.cpp: perplexity {results['llama.cpp']:.4f}", flush=True)
+    if not args.no_llamacpp and llamacpp.reference_file(args.model) is not None:
+        lc = llamacpp.LlamaCppBatch(source.gguf, torch.get_num_threads(), 1, n_ctx=args.ctx + 16)
+        nll, count = 0.0, 0
+        for chunk in chunks:
+            a, b = _nll(lc.logits(chunk), chunk, half - 1)
+            nll, count = nll + a, count + b
+        lc.close()
+        results["llama.cpp"] = math.exp(nll / count)
+        print(f"llama.cpp: perplexity {results['llama.cpp']:.4f}", flush=True)
     ref = results.get("llama.cpp")
     rows = [[name, ppl, None if ref is None else ppl / ref - 1] for name, ppl in results.items()]
     print(format_table(["config", "perplexity", "vs llama.cpp"], rows))

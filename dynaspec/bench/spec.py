@@ -57,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
     from dynaspec.datasets import load_prompts
     from dynaspec.engine.engine import Engine, EngineConfig
     from dynaspec.kpolicy.policy import FixedK
-    from dynaspec.models.loader import resolve_model
     from dynaspec.sampling_params import SamplingParams
 
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
@@ -81,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = engines["plain"].tokenizer
     prompt_ids = [tokenizer.apply_chat_template(p) for p in prompts]
 
-    llamas = _llamacpp_engines(args, resolve_model(args.model).gguf)
+    llamas = _llamacpp_engines(args)
     configs += [(name, name, None) for name in llamas]
     totals = {
         name: {"tokens": 0, "wall": 0.0, "outputs": [], "accepted": 0, "drafts": 0, "per_pos": []}
@@ -168,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _llamacpp_engines(args, gguf) -> dict:
+def _llamacpp_engines(args) -> dict:
     """The llama.cpp reference configs on the same GGUF file: plain, and with prompt lookup."""
     import torch
 
@@ -176,9 +175,8 @@ def _llamacpp_engines(args, gguf) -> dict:
 
     if args.no_llamacpp:
         return {}
-    why = llamacpp.available() or (None if gguf else f"{args.model} is not a GGUF file or pack")
-    if why:
-        print(f"llama.cpp reference skipped: {why}")
+    gguf = llamacpp.reference_file(args.model)
+    if gguf is None:
         return {}
     threads = args.threads or torch.get_num_threads()
     llamas = {"llama.cpp plain": llamacpp.make_llama(gguf, threads)}

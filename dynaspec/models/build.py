@@ -216,7 +216,7 @@ def build_model(
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         futures = [pool.submit(build_head)]
         futures += [pool.submit(build_layer, i) for i in range(config.num_hidden_layers)]
-        for future in tqdm(futures, desc="loading layers", unit="layer", disable=not progress):
+        for future in tqdm(futures, desc="loading weights", unit="part", disable=not progress):
             future.result()
     model.model.norm.weight = dense_param("model.norm.weight", (hidden,))
 

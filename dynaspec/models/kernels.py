@@ -32,7 +32,8 @@ def kernel_error() -> str | None:
 
         # named by the sources' hash: two versions of dynaspec (or two checkouts) never rebuild
         # each other's copy in torch's shared extension directory
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in KERNEL_SOURCES)).hexdigest()[:12]
+        hashed = [*KERNEL_SOURCES, *KERNEL_SOURCES[0].parent.glob("*.h")]
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in hashed)).hexdigest()[:12]
         cpp_extension.load(
             name=f"dynaspec_kernels_{digest}",
             sources=[str(p) for p in KERNEL_SOURCES],

@@ -20,6 +20,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int kLanes = 16;
@@ -45,25 +47,9 @@ inline float dot(const float* q, const T* k, int64_t d) {
   return acc[0];
 }
 
-// exp(x) for x <= 0 (scores minus their maximum), vectorizable: x = n ln2 + r, |r| <= ln2 / 2,
-// exp(r) by a degree-6 polynomial (relative error ~2e-7), 2^n by building the exponent bits.
+// exp(x) for x <= 0 (scores minus their maximum); below -87 the weight is exactly 0.
 inline void exp_nonpositive(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    float v = x[i] < -87.0f ? -87.0f : x[i];
-    float k = std::nearbyint(v * 1.44269504088896341f);
-    float r = v - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-    float p = 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    x[i] = x[i] < -87.0f ? 0.0f : p * scale;
-  }
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] < -87.0f ? 0.0f : dynaspec_math::fast_exp(x[i]);
 }
 
 template <typename T>

@@ -14,6 +14,8 @@
 #include <cstring>
 #include <tuple>
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int kLanes = 16;
@@ -99,25 +101,6 @@ void rope_qk_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tenso
   rope_(k, cos, sin);
 }
 
-// exp(x), vectorizable (no library call): x = n ln2 + r, exp(r) by a degree-6 polynomial (relative
-// error ~2e-7), 2^n from the exponent bits; x clamped to [-87, 88].
-inline float fast_exp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float k = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-  float p = 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // silu(gate) * up for gate_up [rows, 2 * n] (gate first) -> [rows, n].
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() && gate_up.dim() == 2, "silu_mul: gate_up");
@@ -129,7 +112,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     for (int64_t r = begin; r < end; ++r) {
       const float *g = src + r * 2 * n, *u = g + n;
       float* o = dst + r * n;
-      for (int64_t j = 0; j < n; ++j) o[j] = g[j] / (1.0f + fast_exp(-g[j])) * u[j];
+      for (int64_t j = 0; j < n; ++j) o[j] = g[j] / (1.0f + dynaspec_math::fast_exp(-g[j])) * u[j];
     }
   });
   return out;
