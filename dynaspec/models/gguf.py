@@ -253,6 +253,11 @@ def read_gguf_index(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo]]
             return [value(inner) for _ in range(count)]
         if inner in _SCALARS:
             pos += count * struct.calcsize(_SCALARS[inner])
+        elif inner == _STRING:  # the vocabulary: skip each length-prefixed string, no decoding
+            unpack, p = struct.Struct("<Q").unpack_from, pos
+            for _ in range(count):
+                p += 8 + unpack(buf, p)[0]
+            pos = p
         else:
             for _ in range(count):
                 value(inner)

@@ -410,11 +410,15 @@ at::Tensor pack_tiles(const at::Tensor& codes, int64_t shift, int64_t bits, int6
       for (int64_t g = 0; g < groups; ++g) {
         for (int64_t lane = 0; lane < kLanes; ++lane) {
           const int64_t row = t * kLanes + lane;
-          for (int64_t k = 0; k < group; ++k) {
-            const int64_t s = k / 4, c = k % 4;
-            u[s * 64 + lane * 4 + c] =
-                row < out ? static_cast<uint8_t>(src[row * n_in + g * group + k] + shift) : 0;
+          uint8_t* ul = u + lane * 4;
+          if (row >= out) {
+            for (int64_t s = 0; s < steps; ++s) std::memset(ul + s * 64, 0, 4);
+            continue;
           }
+          const uint8_t* in = src + row * n_in + g * group;
+          const uint8_t sh = static_cast<uint8_t>(shift);
+          for (int64_t s = 0; s < steps; ++s)  // 4 consecutive codes of this column per 64-byte step
+            for (int c = 0; c < 4; ++c) ul[s * 64 + c] = static_cast<uint8_t>(in[s * 4 + c] + sh);
         }
         uint8_t* o = dst + (t * groups + g) * bytes;
         if (bits == 8) {
