@@ -2,22 +2,23 @@
 # Every figure in results/RESULTS.md, reproduced on the default offline models (CPU, default
 # quantization: the GGUF files' own blocks). llama.cpp columns need scripts/setup-llamacpp.sh first.
 # Run on a quiet machine: the configurations are compared side by side, but the machine must be
-# otherwise idle for the absolute numbers to mean anything. About 2 hours on 2 cores.
+# otherwise idle for the absolute numbers to mean anything. About 1 hour on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DS=.venv/bin/dynaspec
 SPEC=@results/spec_qwen_pair.json
 mkdir -p results
-$DS bench spec --dataset humaneval --num-prompts 4 --max-tokens 128 --result-file results/bench_spec.json 2>&1 | tee results/bench_spec.log
-$DS bench decode --batch-sizes 1,8 --max-tokens 64 --repeats 2 --result-file results/bench_decode.json 2>&1 | tee results/bench_decode.log
-$DS bench footprint --result-file results/bench_footprint.json 2>&1 | tee results/bench_footprint.log
+$DS bench spec --dataset humaneval --num-prompts 4 --max-tokens 128 --no-hf --result-file results/bench_spec.json 2>&1 | tee results/bench_spec.log
+$DS bench decode --batch-sizes 1,8 --max-tokens 64 --repeats 3 --result-file results/bench_decode.json 2>&1 | tee results/bench_decode.log
+$DS bench footprint --repeats 3 --result-file results/bench_footprint.json 2>&1 | tee results/bench_footprint.log
 $DS bench perplexity --result-file results/bench_perplexity.json 2>&1 | tee results/bench_perplexity.log
 $DS profile --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC --dataset humaneval \
     --batch-sizes 1,2,4,8,16,32 \
     --output results/profile_qwen_pair_humaneval.json --plot results/goodput_qwen_pair_humaneval.png 2>&1 | tee results/profile.log
 $DS bench sweep --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC \
-    --profile results/profile_qwen_pair_humaneval.json --dataset humaneval --concurrency 1,2,4,8,16,32 \
-    --prompts-per-concurrency 4 --min-prompts 16 --max-tokens 24 --rounds 4 --result-file results/sweep.json --plot results/sweep.png 2>&1 | tee results/sweep.log
+    --profile results/profile_qwen_pair_humaneval.json --dataset humaneval --concurrency 1,2,4,8,16 \
+    --prompts-per-concurrency 4 --min-prompts 16 --max-tokens 32 --rounds 2 \
+    --result-file results/sweep_quantized.json --plot results/sweep_quantized.png 2>&1 | tee results/sweep_quantized.log
 # serving: a real server with speculation, and the streaming client against it
 $DS serve --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC --port 8011 > results/serve_server.log 2>&1 &
 SERVER=$!
