@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHMARKS = ["decode", "spec", "footprint", "perplexity", "sweep", "serve", "qmatmul"]
+BENCHMARKS = ["decode", "spec", "footprint", "perplexity", "sweep", "rollout", "serve", "qmatmul"]
 
 
 def add_parser(sub) -> None:

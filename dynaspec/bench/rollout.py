@@ -1,0 +1,216 @@
+"""`dynaspec bench rollout`: an RL-rollout batch, the long tail included, per K configuration.
+
+N prompts are submitted at once and sampled (temperature 1.0 by default, as rollouts are; verification
+is then probabilistic), with output lengths left to the model (EOS under a high `--max-tokens`) or
+drawn per request from a long-tailed (log-normal) distribution with a seed, so the batch drains to a
+tail of a few long requests. Configurations run side by side on the same prompts and the same
+per-request sampling seeds, in interleaved rounds (A B C ... then C B A ...): no speculation, fixed
+K, and with a `--profile` the profiled table and the goodput policy. Reported per configuration:
+the makespan (until the last request finishes), the times until 50% / 90% / 100% of requests
+finished, output tokens/s, and over time the running batch size and the K chosen (plotted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+
+from dynaspec.bench.common import format_table, write_result
+from dynaspec.engine.args import add_engine_args
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("rollout", help="RL-rollout batch: makespan and the tail, per K configuration")
+    add_engine_args(p, model_required=False)
+    p.set_defaults(model="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--profile", default=None, help="profile JSON: adds the table and goodput configs")
+    p.add_argument("--dataset", default="mtbench")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=512, help="cap per request (EOS ends most before)")
+    p.add_argument(
+        "--lengths",
+        default="eos",
+        choices=["eos", "longtail"],
+        help="eos: the model's own; longtail: per-request lengths from a log-normal (ignore EOS)",
+    )
+    p.add_argument("--median-tokens", type=int, default=48, help="longtail: the median output length")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--fixed-ks", default="1,3,5")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--rollout-seed", type=int, default=0, help="lengths and per-request sampling seeds")
+    p.add_argument("--result-file", default="results/bench_rollout.json")
+    p.add_argument("--plot", default=None, help="PNG: running batch size and K over time per config")
+    p.set_defaults(func=run)
+
+
+class _Traced:
+    """A K policy that remembers the K it chose last (for the time series)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.last_k = inner, 0
+
+    def choose(self, candidates):
+        k, caps = self.inner.choose(candidates)
+        self.last_k = k
+        return k, caps
+
+    def observe(self, record) -> None:
+        self.inner.observe(record)
+
+    def snapshot(self) -> dict:
+        return self.inner.snapshot()
+
+
+def lengths_for(args: argparse.Namespace, n: int) -> list[int]:
+    """Per-request output caps: --max-tokens for all (eos), or log-normal draws with a seed."""
+    if args.lengths == "eos":
+        return [args.max_tokens] * n
+    rng = random.Random(args.rollout_seed)
+    return [
+        max(1, min(args.max_tokens, round(args.median_tokens * math.exp(rng.gauss(0.0, 0.8)))))
+        for _ in range(n)
+    ]
+
+
+def rollout(engine, prompts: list, params: list) -> dict:
+    """Submit every prompt at once, step until all finish; the finish times and per-step series."""
+    start = time.perf_counter()
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    finish: list[float] = []
+    series = []  # (seconds since start, running requests, K chosen)
+    policy = engine.k_policy
+    while engine.has_unfinished():
+        running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        outs = engine.step()
+        now = time.perf_counter() - start
+        series.append((round(now, 3), running, policy.last_k if isinstance(policy, _Traced) else 0))
+        finish += [now for o in outs if o.finished]
+    tokens = sum(len(r.output_token_ids) for r in requests)
+    return {"finish": sorted(finish), "series": series, "tokens": tokens}
+
+
+def _at(finish: list[float], fraction: float) -> float:
+    return finish[max(0, math.ceil(fraction * len(finish)) - 1)]
+
+
+def run(args: argparse.Namespace) -> int:
+    from dynaspec.datasets import load_prompts
+    from dynaspec.engine.args import check_at_least, engine_kwargs
+    from dynaspec.engine.engine import Engine, EngineConfig
+    from dynaspec.kpolicy.config import SpeculativeConfig
+    from dynaspec.kpolicy.policy import FixedK, GoodputK, TableK
+    from dynaspec.kpolicy.profile import load_profile
+    from dynaspec.sampling_params import SamplingParams
+
+    check_at_least(("--num-prompts", args.num_prompts, 1), ("--rounds", args.rounds, 1))
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is None:
+        raise ValueError(
+            "--speculative-config: the rollout compares speculation, it needs the drafter's config"
+        )
+    fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k.strip()]
+    profile = load_profile(args.profile) if args.profile else None
+    max_k = max([*fixed_ks, profile.max_num_speculative_tokens if profile else 1])
+    policies = {f"K={k}": (lambda k=k: FixedK(k)) for k in fixed_ks}
+    if profile is not None:
+        table = profile.num_speculative_tokens_per_batch_size
+        policies["table"] = lambda: TableK(table, max_k, spec.hysteresis_steps)
+        policies["goodput"] = lambda: GoodputK(profile, max_k, spec.hysteresis_steps)
+    configs = ["none", *policies]
+
+    kwargs = engine_kwargs(args)
+    kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], args.num_prompts)
+    kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], args.num_prompts * (max_k + 1))
+    spec_dict = {**spec.to_dict(), "num_speculative_tokens": max_k}
+    spec_dict.pop("num_speculative_tokens_per_batch_size", None)
+    spec_dict.pop("dynamic_config_path", None)
+    engines = {
+        "none": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None})),
+        "spec": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict})),
+    }
+    all_prompts = load_prompts(args.dataset, chat=True)
+    prompts = [all_prompts[i % len(all_prompts)] for i in range(args.num_prompts)]
+    caps = lengths_for(args, len(prompts))
+    params = [
+        SamplingParams(
+            max_tokens=cap,
+            temperature=args.temperature,
+            seed=args.rollout_seed * 100003 + i,
+            ignore_eos=args.lengths == "longtail",
+        )
+        for i, cap in enumerate(caps)
+    ]
+    for engine in engines.values():  # first-call overheads off the clock
+        rollout(engine, prompts[:2], [SamplingParams(max_tokens=4, temperature=0.0)] * 2)
+
+    results: dict[str, list[dict]] = {c: [] for c in configs}
+    for rnd in range(args.rounds):
+        for name in configs if rnd % 2 == 0 else configs[::-1]:
+            engine = engines["none" if name == "none" else "spec"]
+            if name != "none":
+                engine.set_k_policy(_Traced(policies[name]()))
+            results[name].append(rollout(engine, prompts, params))
+            done = results[name][-1]
+            print(f"round {rnd + 1} {name}: makespan {done['finish'][-1]:.1f} s", flush=True)
+
+    rows, records = [], []
+    for name, runs in results.items():
+        makespan = sum(r["finish"][-1] for r in runs) / len(runs)
+        t50 = sum(_at(r["finish"], 0.5) for r in runs) / len(runs)
+        t90 = sum(_at(r["finish"], 0.9) for r in runs) / len(runs)
+        tokens = sum(r["tokens"] for r in runs)
+        speed = tokens / sum(r["finish"][-1] for r in runs)
+        rows.append([name, makespan, t50, t90, speed])
+        records.append(
+            {
+                "config": name,
+                "makespan_s": round(makespan, 3),
+                "t50_s": round(t50, 3),
+                "t90_s": round(t90, 3),
+                "tokens_per_s": round(speed, 3),
+                "output_tokens": tokens,
+                "rounds": [{"finish_s": r["finish"], "series": r["series"]} for r in runs],
+            }
+        )
+    best_fixed = min(r[1] for r in rows if r[0] not in ("table", "goodput"))
+    for row in rows:
+        row.append(row[1] / best_fixed)
+    print(format_table(["config", "makespan s", "50% s", "90% s", "tok/s", "vs best fixed"], rows))
+    write_result(
+        args.result_file,
+        {
+            "benchmark": "rollout",
+            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "lengths": caps,
+            "rows": records,
+        },
+    )
+    if args.plot:
+        plot_rollout(records, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def plot_rollout(records: list[dict], path: str) -> None:
+    """Running requests (top) and K chosen (bottom) against time, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for rec in records:
+        series = rec["rounds"][0]["series"]
+        t = [s[0] for s in series]
+        top.step(t, [s[1] for s in series], where="post", label=rec["config"])
+        bottom.step(t, [s[2] for s in series], where="post", label=rec["config"])
+    top.set_ylabel("requests running or waiting")
+    bottom.set_ylabel("K chosen")
+    bottom.set_xlabel("seconds since the batch was submitted")
+    top.legend(fontsize=8)
+    top.set_title("rollout: the batch drains to a tail (first round)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
