@@ -84,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
         results[name] = math.exp(nll / count)
         print(f"{name}: perplexity {results[name]:.4f} over {count} tokens", flush=True)
         del engine
-    if not args.no_llamacpp and llamacpp.reference_file(args.model) is not None:
-        lc = llamacpp.LlamaCppBatch(source.gguf, torch.get_num_threads(), 1, n_ctx=args.ctx + 16)
+    gguf = None if args.no_llamacpp else llamacpp.reference_file(args.model)
+    if gguf is not None:
+        lc = llamacpp.LlamaCppBatch(gguf, torch.get_num_threads(), 1, n_ctx=args.ctx + 16)
         nll, count = 0.0, 0
         for chunk in chunks:
             a, b = _nll(lc.logits(chunk), chunk, half - 1)

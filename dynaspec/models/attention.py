@@ -65,8 +65,6 @@ def build_attention_metadata(
     ``ctx_lens[i]`` counts the sequence's tokens including its ``q_lens[i]`` new ones. Built with
     numpy on the host (small arrays: torch's per-op overhead dominated here), copied once.
     """
-    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
-    total = int(sum(q_lens))
     slots = [_slots(table, block_size, c) for c, table in zip(ctx_lens, block_tables)]  # [c] each
     slot_mapping = np.concatenate([s[c - q :] for s, q, c in zip(slots, q_lens, ctx_lens)])
     if rowwise:
@@ -79,6 +77,9 @@ def build_attention_metadata(
         )
         plan = RowwisePlan(*(torch.from_numpy(a).to(device) for a in (table, row_seq, row_len)))
         return AttentionMetadata(torch.from_numpy(slot_mapping).to(device), [], None, plan)
+
+    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
+    total = int(sum(q_lens))
 
     short = [i for i, q in enumerate(q_lens) if q <= SHORT_QUERY_MAX]
     long = [i for i, q in enumerate(q_lens) if q > SHORT_QUERY_MAX]

@@ -220,7 +220,6 @@ def build_model(
             future.result()
     model.model.norm.weight = dense_param("model.norm.weight", (hidden,))
 
-    model.head_rows = rows
     model.rotary = RotaryEmbedding(config).to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:

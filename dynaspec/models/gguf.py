@@ -49,13 +49,6 @@ _BLOCK_TENSOR_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
-# Metadata arrays too long to be worth reading into Python lists (the tokenizer reads them itself).
-_LARGE_ARRAYS = (
-    "tokenizer.ggml.tokens",
-    "tokenizer.ggml.merges",
-    "tokenizer.ggml.token_type",
-    "tokenizer.ggml.scores",
-)
 
 SOURCE_RECORD = "dynaspec_source.json"
 FORMAT = 2  # of the directory convert_gguf writes; 1 held float32 safetensors
@@ -78,19 +71,6 @@ def hf_tensor_name(gguf_name: str) -> str:
             "is not supported: convert the Hugging Face checkpoint instead"
         )
     raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
-
-
-def read_metadata(reader: Any) -> dict[str, Any]:
-    """All metadata fields as Python values, except the long tokenizer arrays (given as lengths)."""
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        if key in _LARGE_ARRAYS:
-            metadata[key] = len(field.data)
-        else:
-            metadata[key] = field.contents()
-    return metadata
 
 
 def hf_config_from_gguf(
@@ -283,7 +263,7 @@ def read_gguf_index(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo]]
             align = int(metadata.get("general.alignment", 32))
             start = pos + (-pos % align)
             size = len(buf)
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
+    except (struct.error, ValueError, UnicodeDecodeError, OverflowError, IndexError) as e:
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
     tensors = []
     for name, dims, qtype, offset in raw_infos:
@@ -299,18 +279,6 @@ def read_gguf_index(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo]]
     return metadata, tensors
 
 
-def open_gguf(gguf_path: str | Path) -> Any:
-    """A `gguf.GGUFReader` over the memory-mapped file; a ValueError naming the file if it is unreadable."""
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(str(gguf_path))
-    except FileNotFoundError:
-        raise ValueError(f"{gguf_path}: no such file") from None
-    except Exception as e:  # the reader raises ValueError/struct errors/... on a malformed file
-        raise ValueError(f"{gguf_path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-
-
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
     """Write a GGUF file's config, generation config and tokenizer as a Hugging Face directory at
     out_dir (replaced if present); the weights stay in the GGUF file.
@@ -323,16 +291,14 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
 
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
-    reader = open_gguf(gguf_path)
-    metadata = read_metadata(reader)
+    metadata, tensors = read_gguf_index(gguf_path)
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}: dynaspec converts "
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-    names = {t.name: hf_tensor_name(t.name) for t in reader.tensors}
-    shapes = {names[t.name]: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    shapes = {hf_tensor_name(t.name): t.shape for t in tensors}
     config = hf_config_from_gguf(metadata, shapes)
     ModelConfig.from_hf_dict(config)
 
@@ -347,7 +313,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         (tmp_dir / "generation_config.json").write_text(
             json.dumps({k: v for k, v in generation.items() if v is not None}, indent=2) + "\n"
         )
-        types = Counter(GGMLQuantizationType(t.tensor_type).name for t in reader.tensors)
+        types = Counter(GGMLQuantizationType(t.qtype).name for t in tensors)
         record = source_record(gguf_path) | {
             "format": FORMAT,
             "name": metadata.get("general.name"),

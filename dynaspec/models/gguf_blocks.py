@@ -9,6 +9,7 @@ out (scale = d * sc_j, offset = -dmin * m_j), so `GroupedWeight.dequantize` equa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,19 +131,14 @@ def _k_affine(b: np.ndarray, qh: np.ndarray | None, qs: np.ndarray | None):
     return q, scales, offsets, 32, (d, sc.view(np.int8), -dmin, m.view(np.int8))
 
 
-def _q4_k(b: np.ndarray):
-    q, scales, offsets, group, sup = _k_affine(b, None, b[:, 16:144])
+def _q4_k(b: np.ndarray, codes: bool = True):
+    q, scales, offsets, group, sup = _k_affine(b, None, b[:, 16:144] if codes else None)
     return q, scales, offsets, group, 4, sup
 
 
 def _q5_k(b: np.ndarray):
     q, scales, offsets, group, sup = _k_affine(b, b[:, 16:48], b[:, 48:176])
     return q, scales, offsets, group, 5, sup
-
-
-def _q4_k_scales(b: np.ndarray):  # _q4_k without the codes (csrc/unpack.cpp gives those)
-    _, scales, offsets, group, sup = _k_affine(b, None, None)
-    return None, scales, offsets, group, 4, sup
 
 
 def _q6_k(b: np.ndarray, codes: bool = True):
@@ -169,8 +165,8 @@ _DECODERS = {
 # Types whose codes the C++ unpacker gives (in parallel, straight from the bytes) when the kernels
 # are built; numpy then decodes only their scales.
 _SCALE_DECODERS = {
-    GGMLQuantizationType.Q4_K: _q4_k_scales,
-    GGMLQuantizationType.Q6_K: lambda b: _q6_k(b, codes=False),
+    GGMLQuantizationType.Q4_K: functools.partial(_q4_k, codes=False),
+    GGMLQuantizationType.Q6_K: functools.partial(_q6_k, codes=False),
 }
 DENSE_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 SUPPORTED_TYPES = (*_DECODERS, *DENSE_TYPES)

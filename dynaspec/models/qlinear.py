@@ -52,14 +52,22 @@ def _kernel_bits(weight: GroupedWeight) -> int:
     return 8
 
 
-def unsigned_form(weight: GroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes shifted to [0, 2**bits) and the offsets that go with them: w = scale * u + offset.
-    Returns (u [out, in] uint8, offset [out, in // group] float32); the shift by a power of two
-    times the scale is exact in float32."""
+def unsigned_shift(weight: GroupedWeight) -> tuple[int, torch.Tensor]:
+    """The shift that takes the codes to [0, 2**bits) and the offsets that go with it: w = scale *
+    (code + shift) + offset. Affine types need none; for symmetric ones the offset is -shift * scale,
+    exact in float32 (a power of two times the scale)."""
     if weight.offsets is not None:
-        return weight.codes.to(torch.uint8), weight.offsets
+        return 0, weight.offsets
     shift = 2 ** (weight.bits - 1)
-    return (weight.codes.to(torch.int16) + shift).to(torch.uint8), weight.scales * -shift
+    return shift, weight.scales * -shift
+
+
+def unsigned_form(weight: GroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes shifted to [0, 2**bits) and their offsets: (u [out, in] uint8, offset [out, in // group])."""
+    shift, offsets = unsigned_shift(weight)
+    if shift == 0:
+        return weight.codes.to(torch.uint8), offsets
+    return (weight.codes.to(torch.int16) + shift).to(torch.uint8), offsets
 
 
 class _Vnni(nn.Module):
@@ -78,8 +86,7 @@ class _Vnni(nn.Module):
         self.bits = _kernel_bits(weight)
         pad = -out % KERNEL_COLUMN_MULTIPLE
         # the unsigned form (codes shifted to [0, 2**bits)) packed into 16-column tiles, in C++
-        shift = 0 if weight.offsets is not None else 2 ** (weight.bits - 1)
-        offsets = weight.offsets if weight.offsets is not None else weight.scales * -shift
+        shift, offsets = unsigned_shift(weight)
         packed = torch.ops.dynaspec.pack_tiles(weight.codes.contiguous(), shift, self.bits, g, pad)
         self.register_buffer("packed", packed)  # [tiles, groups, bytes]
         self.mode, f32, sub, self.super_groups = _scale_table(weight, offsets, pad)
