@@ -142,9 +142,11 @@ def test_live_costs_move_k():
 ALPHA4 = [0.9, 0.85, 0.8, 0.75]
 
 
-def goodput(catchup_ms_per_token=5.0, hysteresis=1):
+def goodput(catchup_ms_per_token=5.0, hysteresis=1, per_request=False):
+    """The batch-level rule by default (one K, who drafts); per_request=True refines it per request."""
     cost_model = {"target_ms": TARGET, "draft_pass_ms": [DRAFT[0], DRAFT[1], catchup_ms_per_token]}
-    return GoodputK(Profile(4, ALPHA4, GRID, cost_model=cost_model), 4, hysteresis)
+    profile = Profile(4, ALPHA4, GRID, cost_model=cost_model)
+    return GoodputK(profile, 4, hysteresis, per_request=per_request)
 
 
 def test_caught_up_batch_gets_the_plain_goodput_k():
@@ -220,6 +222,17 @@ def test_caught_up_slots_still_pay_the_steady_state_catchup_of_their_replacement
     assert DraftCandidate(300, 20, prompt_tokens=200, max_tokens=100).catchup_per_token() == pytest.approx(
         299 / 20
     )
+
+
+def test_per_request_k_charges_each_request_only_what_it_owes():
+    policy = goodput(catchup_ms_per_token=5.0, per_request=True)
+    # the same caught-up slots: their catch-up is sunk and a newcomer will pay its own, so they draft
+    k, drafts = policy.choose([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=20)] * 8)
+    assert k > 0 and all(d > 0 for d in drafts)
+    # ... while a newcomer owing its 200-token prompt over 20 tokens does not
+    newcomer = DraftCandidate(200, 20, prompt_tokens=200, max_tokens=20)
+    _, drafts = policy.choose([DraftCandidate(1, 10, prompt_tokens=200, max_tokens=20)] * 7 + [newcomer])
+    assert drafts[-1] == 0 and all(d > 0 for d in drafts[:-1])
 
 
 def test_k_is_chosen_for_every_running_request_but_only_decoding_ones_draft():

@@ -181,3 +181,70 @@ def test_a_plain_cell_above_the_drafting_line_is_capped_before_it_pools_its_neig
     assert smooth[2][0] < 450  # put back on the drafting line at K=0 (~432)
     assert smooth[4][0] < 420  # and batch 4 is no longer pooled up with it
     assert smooth[1][0] == pytest.approx(331.5)  # a plain cell below the line stays as measured
+
+
+def test_request_rates_start_at_the_batch_and_follow_the_request():
+    from dynaspec.kpolicy.policy import RequestAcceptance, per_token_acceptance, request_rates
+
+    batch = [0.9, 0.85, 0.8, 0.75]
+    assert request_rates(0.0, 0.0, batch) == pytest.approx(batch)  # no history: the batch's rates
+    beta = per_token_acceptance(batch)
+    assert beta == pytest.approx(sum(batch) / (1 + 0.9 + 0.85 + 0.8))
+    # 2 accepted of 10 trials, shrunk with 4 pseudo-trials at beta: (2 + 4 beta) / 14 per token
+    own = (2 + 4 * beta) / 14
+    low = request_rates(2.0, 10.0, batch)
+    assert low == pytest.approx([min(1.0, a * (own / beta) ** (i + 1)) for i, a in enumerate(batch)])
+    high = request_rates(40.0, 40.0, batch)
+    assert all(h >= b for h, b in zip(high, batch)) and all(x <= 1.0 for x in high)
+    for rates in (high, low):  # non-increasing
+        assert all(x >= y for x, y in itertools.pairwise(rates))
+    assert request_rates(1.0, 1.0, []) == [] and request_rates(0.0, 0.0, [0.0, 0.0]) == [0.0, 0.0]
+    # the update: trials are the positions verification reached; old steps decay by 0.9
+    est = RequestAcceptance(decay=0.9, weight=4.0)
+    est.observe(["a", "b", "c"], [4, 4, 0], [4, 1, 0])
+    assert est.counts == {"a": (4.0, 4.0), "b": (1.0, 2.0)}  # c drafted nothing: no record
+    est.observe(["a"], [3, 0][:1], [0])
+    assert est.counts["a"] == pytest.approx((3.6, 4.6))
+    est.release(["a"])
+    assert "a" not in est.counts and est.rates("a", batch) == pytest.approx(batch)
+
+
+def test_confidence_calibration_stops_below_break_even():
+    from dynaspec.kpolicy.policy import ConfidenceCalibration
+
+    cal = ConfidenceCalibration(decay=1.0, prior_weight=4.0)
+    assert cal.threshold(0.0) == 0.0  # verification is free: never stop
+    assert cal.threshold(0.32) == pytest.approx(0.3)  # the prior: bins accept at their centre
+    assert cal.threshold(1.0) == cal.MAX_THRESHOLD
+    # the target accepts the drafter's 0.6-0.7 tokens rarely: that bin joins the stop once the run
+    # of bins below it does too
+    for _ in range(200):
+        cal.observe([[0.65, 0.05]], [2], [0])  # reached 0.65 (rejected); 0.05 never reached
+        cal.observe([[0.15, 0.25, 0.35, 0.45, 0.55]], [5], [5])
+    assert cal.rate(6) < 0.05 and cal.rate(0) == pytest.approx(0.05)  # unreached: the prior only
+    assert cal.threshold(0.32) == pytest.approx(0.1)  # bins 1..5 now accept everything
+    cal.observe([], [], [])  # empty steps never crash
+
+
+def test_refine_drafts_gives_k_to_the_requests_that_accept():
+    from dynaspec.kpolicy.policy import refine_drafts
+
+    def layer(rows, j):  # a drafter pass of 10 ms plus 4 ms per verified token
+        return 10.0 + 4.0 * rows
+
+    good, poor = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.02]
+
+    def goodput(ks, rates):
+        m = [sum(k > j for k in ks) for j in range(4)]
+        tokens = len(ks) + sum(sum(r[:k]) for r, k in zip(rates, ks))
+        return tokens / (50.0 + sum(layer(c, j) for j, c in enumerate(m) if c))
+
+    rates = [good, poor, good, poor]
+    start = [2, 2, 2, 2]  # a uniform K
+    ks = refine_drafts(start, rates, [0.0] * 4, [4] * 4, layer, 50.0, 4)
+    assert ks[0] > ks[1] and ks[2] > ks[3]
+    assert goodput(ks, rates) > goodput(start, rates)
+    # caps hold (tokens left, prefilling requests), charges withhold a request, empty is fine
+    assert refine_drafts([4, 4], [good, good], [0.0, 0.0], [1, 0], layer, 50.0, 2) == [1, 0]
+    assert refine_drafts([0, 0], [good, good], [0.0, 1e6], [4, 4], layer, 50.0, 2)[1] == 0
+    assert refine_drafts([], [], [], [], layer, 50.0, 0) == []

@@ -112,3 +112,63 @@ def test_ngram_lookup_prefers_longest_latest_match():
     assert ngram_lookup(toks, 1, 3, 3) == [9, 2, 6]  # "6 7" last seen before 9
     assert ngram_lookup(np.array([1, 2, 3]), 1, 3, 2) == []
     assert ngram_lookup(np.array([4, 2, 4]), 1, 2, 5) == [2, 4]
+
+
+def _ragged_draws(q0, q1_of, caps, threshold, stop_on_token, gen):
+    """Drafts of N rows with caps K_r in {0, 1, 2}: draft 0 from q0, draft 1 from q1_of[draft 0],
+    cut by a confidence stop: decided on the distribution (max q1 < threshold, as the drafter does) or,
+    wrongly, on the token drawn (q1(draft 1) < threshold)."""
+    d0 = torch.multinomial(q0, N, replacement=True, generator=gen)
+    d1 = torch.stack([torch.multinomial(q1_of[int(x)], 1, generator=gen)[0] for x in d0])
+    probs = torch.stack([torch.stack([q0, q1_of[int(x)]]) for x in d0])  # [N, 2, V]
+    lens = []
+    for r in range(N):
+        confident = (q1_of[int(d0[r])][d1[r]] if stop_on_token else q1_of[int(d0[r])].max()) >= threshold
+        lens.append(min(caps[r], 2 if confident else 1))
+    return torch.stack([d0, d1], dim=1), probs, lens
+
+
+@pytest.mark.parametrize("stop_on_token", [False, True])
+def test_mixed_k_and_confidence_stops_keep_the_target_distribution(stop_on_token):
+    """Rows of one batch verify 0, 1 or 2 drafts, cut by a confidence stop. Stopping on the drafter's
+    distribution (what a prefix decides) keeps every emitted token distributed as the target's; a stop
+    that looks at the drawn token itself biases it, and the same statistic catches that."""
+    gen = torch.Generator().manual_seed(3)
+    target_logits = torch.randn(1, K + 1, V, generator=gen) * 1.5
+    p_target = torch.softmax(target_logits[0], -1)
+    q0 = torch.softmax(torch.randn(V, generator=gen) * 1.5, -1)
+    # the drafter's second distribution depends on its first token: peaked on the token the target
+    # finds least likely after some first tokens (confident and wrong), flat after the others
+    rare = int(p_target[1].argmin())
+    q1_of = torch.full((V, V), 0.4 / (V - 1))
+    q1_of[:, rare] = 0.6
+    q1_of[V // 2 :] = 1.0 / V
+    caps = [min(2, r % 6) for r in range(N)]  # a sixth draft nothing, a sixth 1, the rest 2
+    drafts, probs, lens = _ragged_draws(q0, q1_of, caps, 0.5, stop_on_token, gen)
+    assert {0, 1, 2} <= set(lens)
+    sampling = SamplingTensors(
+        temperature=torch.ones(N),
+        top_k=torch.zeros(N, dtype=torch.long),
+        top_p=torch.ones(N),
+        generators=[torch.Generator().manual_seed(i) for i in range(N)],
+        all_greedy=False,
+    )
+    out = rejection_sample(target_logits.expand(N, K + 1, V), drafts, lens, probs, sampling)
+    p = p_target.numpy()
+    first = np.bincount([o[0] for o in out], minlength=V)
+    assert _chi2(first, p[0]) < CHI2_CRIT
+    second = np.bincount([o[1] for o in out if len(o) > 1], minlength=V)
+    assert _chi2(second, p[1]) < CHI2_CRIT or stop_on_token
+    # where the stop could act: rows that may draft 2 after a first token with a confident drafter
+    # (the first token accepted, so the row's prefix is that token: the next one must follow p[1])
+    where = [
+        o[1]
+        for o, c, d in zip(out, caps, drafts.tolist())
+        if c == 2 and d[0] < V // 2 and o[0] == d[0] and len(o) > 1
+    ]
+    second = np.bincount(where, minlength=V)
+    assert second.sum() > 600
+    if stop_on_token:
+        assert _chi2(second, p[1]) > CHI2_CRIT
+    else:
+        assert _chi2(second, p[1]) < CHI2_CRIT

@@ -21,6 +21,9 @@ class Recorder:
     def observe(self, record):
         pass
 
+    def min_draft_confidence(self):
+        return 0.0
+
 
 class NoText:
     def add(self, new_ids):

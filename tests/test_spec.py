@@ -124,6 +124,7 @@ def test_goodput_withholds_drafts_whose_catchup_cannot_pay(
         "model": str(draft_dir),
         "num_speculative_tokens": 3,
         "dynamic_config_path": str(tmp_path / "p.json"),
+        "per_request_k": False,  # the batch-level rule: only catch-up withholds a request
     }
     engine = spec_engine(target_dir, spec)
     with engine.recording() as run:
@@ -135,3 +136,69 @@ def test_goodput_withholds_drafts_whose_catchup_cannot_pay(
     else:  # catching up is free: requests draft (until live acceptance and costs say otherwise)
         assert passes and snapshot["requests_withheld"] == 0
         assert snapshot["cost_model"]["observations"]["draft_passes"] == len(passes)
+
+
+class RaggedK:
+    """A K policy drafting a different K for each request and step, with a confidence stop."""
+
+    def __init__(self, min_confidence: float) -> None:
+        self.min_confidence = min_confidence
+        self.steps = 0
+        self.draft_lens: list[list[int]] = []
+        self.k_caps: list[list[int]] = []
+
+    def choose(self, candidates):
+        self.steps += 1
+        drafts = [(self.steps + i) % 6 if c.decoding else 0 for i, c in enumerate(candidates)]
+        return max(drafts, default=0), drafts
+
+    def min_draft_confidence(self):
+        return self.min_confidence
+
+    def observe(self, record):
+        self.draft_lens.append(list(record.result.draft_lens))
+        self.k_caps.append(list(record.plan.k_caps))
+
+    def snapshot(self):
+        return {"policy": "ragged"}
+
+
+@pytest.mark.parametrize("min_confidence", [0.0, 0.2])
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_ragged_per_request_k_with_confidence_stops_equals_plain(
+    target_dir, draft_dir, plain, method, min_confidence
+):
+    spec = {"method": method, "num_speculative_tokens": 5}
+    spec |= {"model": str(draft_dir)} if method == "draft_model" else {"prompt_lookup_min": 1}
+    engine = spec_engine(target_dir, spec)
+    policy = RaggedK(min_confidence)
+    engine.set_k_policy(policy)
+    assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
+    ragged = [lens for lens in policy.draft_lens if len(set(lens)) > 1]
+    assert ragged, "no step drafted different lengths for its decodes"
+    drafted = sum(map(sum, policy.draft_lens))
+    if method == "draft_model":  # a confidence stop cuts drafts short of their K; without one, none is
+        asked = sum(map(sum, policy.k_caps))
+        assert drafted < asked if min_confidence else drafted == asked
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_per_request_goodput_with_auto_confidence_equals_plain(
+    tmp_path, target_dir, draft_dir, plain, method
+):
+    from dynaspec.kpolicy.profile import Profile, save_profile
+
+    stats = {bs: {k: 50.0 + 5 * bs + (2 + bs) * k for k in range(4)} for bs in (1, 2, 4, 8)}
+    save_profile(Profile(3, [0.8, 0.6, 0.45], stats), tmp_path / "p.json")
+    spec = {
+        "method": method,
+        "num_speculative_tokens": 3,
+        "dynamic_config_path": str(tmp_path / "p.json"),
+        "draft_confidence_threshold": "auto",
+    }
+    spec |= {"model": str(draft_dir)} if method == "draft_model" else {"prompt_lookup_min": 1}
+    engine = spec_engine(target_dir, spec)
+    assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
+    snapshot = engine.stats()["spec"]["policy"]
+    assert snapshot["per_request"] and engine.stats()["spec"]["num_draft_tokens"] > 0
+    assert 0.0 <= snapshot["min_draft_confidence"] <= 0.8

@@ -59,6 +59,9 @@ class _Traced:
     def observe(self, record) -> None:
         self.inner.observe(record)
 
+    def min_draft_confidence(self) -> float:
+        return self.inner.min_draft_confidence()
+
     def snapshot(self) -> dict:
         return self.inner.snapshot()
 

@@ -226,7 +226,8 @@ class Engine:
         result = verify(logits.sampled, drafts, sampling)  # accepted drafts + one token each, logprobs
         result.prompt_logprobs = score_prompts(logits.prompts, plan.prefills)  # for prompt_logprobs
         self.proposer.commit(plan, result)  # e.g. draft-model KV catch-up
-        self._observe(StepRecord(plan, result, StepTiming.of(plan, result, target_ms, drafts.passes)))
+        timing = StepTiming.of(plan, result, target_ms, drafts.passes)
+        self._observe(StepRecord(plan, result, timing, drafts.confidence))
         return self.scheduler.update(plan, result)  # append, finish, free KV
 
     def _elapsed_ms(self, start: float) -> float:

@@ -60,10 +60,11 @@ class Scheduler:
     def schedule(self, k_policy: KPolicy | None) -> SchedulePlan:
         """Plan one step; ``k_policy`` (None: no speculation) chooses K for the decodes."""
         decodes = [r for r in self.running if r.is_decoding]
-        chosen_k, wanted = 0, [0] * len(decodes)
+        chosen_k, wanted, min_confidence = 0, [0] * len(decodes), 0.0
         if k_policy is not None and decodes:
             chosen_k, wanted = k_policy.choose(self._load(decodes))
             wanted = wanted[: len(decodes)]
+            min_confidence = k_policy.min_draft_confidence()
         k_caps: dict[str, int] = {}
         for r, want in zip(list(decodes), wanted):
             if r.status is not RequestStatus.RUNNING:  # preempted to make room for an older one
@@ -102,6 +103,7 @@ class Scheduler:
             k_caps=[k_caps[r.request_id] for r in decodes],
             prefills=prefills,
             chosen_k=chosen_k,
+            min_draft_confidence=min_confidence,
             released=released,
         )
 
@@ -118,6 +120,7 @@ class Scheduler:
                 prompt_tokens=len(r.prompt_token_ids),
                 max_tokens=r.params.max_tokens,
                 decoding=r.is_decoding,
+                request_id=r.request_id,
             )
             for r in load
         ]

@@ -35,7 +35,10 @@ class SchedulePlan:
     decodes: list[Request]  # each verifies its last token plus up to k_caps[i] draft tokens
     k_caps: list[int]  # [num_decodes] the K cap of each decode: the policy's K for it, cut to its tokens left
     prefills: list[PrefillChunk]
-    chosen_k: int = 0  # the policy's K for the load (statistics)
+    chosen_k: int = 0  # the policy's K for the load (statistics): the largest K of any decode
+    # a decode stops drafting before the first draft position whose drafter top probability is
+    # below this (0: never); decided from the drafter's distribution, before its token is known
+    min_draft_confidence: float = 0.0
     released: list[str] = field(default_factory=list)  # request ids preempted or finished since the last plan
 
     @property
@@ -73,6 +76,9 @@ class Drafts:
     draft_lens: list[int]  # [num_decodes] draft tokens of each decode (0..k_caps[i])
     probs: torch.Tensor | None  # [num_decodes, k, vocab] draft distributions; None for deterministic drafts
     passes: list[DraftPass] = field(default_factory=list)  # the drafter's passes, timed
+    # [num_decodes][draft_lens[i]] the drafter's top probability at each draft position; None for
+    # proposers without a distribution (n-gram)
+    confidence: list[list[float]] | None = None
 
     @property
     def k(self) -> int:
@@ -146,6 +152,7 @@ class StepRecord:
     plan: SchedulePlan
     result: StepResult
     timing: StepTiming
+    draft_confidence: list[list[float]] | None = None  # Drafts.confidence of the step
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,21 +166,29 @@ class DraftCandidate:
     decoding: bool = (
         True  # False while its prompt is being prefilled (or it waits): it counts, cannot draft yet
     )
+    request_id: str = ""  # whose acceptance history applies (per-request K)
+
+    def catchup_owed(self) -> float:
+        """Catch-up tokens the request still owes the drafter, per token it may still generate."""
+        return (self.unseen_tokens - 1) / max(1, self.tokens_left) if self.unseen_tokens > 1 else 0.0
 
     def catchup_per_token(self) -> float:
         """Catch-up tokens drafting in this slot costs per generated token: the larger of what the
         request still owes (its unseen tokens over its tokens left) and the steady-state price of a
         drafting slot under continuous load, where a finished request is replaced by a new one whose
         prompt the drafter must catch up on (one prompt per output budget)."""
-        owed = (self.unseen_tokens - 1) / max(1, self.tokens_left) if self.unseen_tokens > 1 else 0.0
-        return max(owed, self.prompt_tokens / max(1, self.max_tokens))
+        return max(self.catchup_owed(), self.prompt_tokens / max(1, self.max_tokens))
 
 
 class KPolicy(Protocol):
     """Chooses K for each step; the engine owns it and feeds it one record per step."""
 
     def choose(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
-        """(K chosen for the load, draft tokens wanted per candidate: K or 0)."""
+        """(K chosen for the load, draft tokens wanted per candidate: 0..K each)."""
+        ...
+
+    def min_draft_confidence(self) -> float:
+        """The drafter's top probability below which a decode stops drafting (0: never)."""
         ...
 
     def observe(self, record: StepRecord) -> None: ...

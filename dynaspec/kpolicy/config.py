@@ -28,8 +28,12 @@ class SpeculativeConfig:
     )
     prompt_lookup_min: int = Field(default=2, ge=1)
     prompt_lookup_max: int = Field(default=4, ge=1)
-    dynamic_config_path: str | None = None  # a profile: K chosen by goodput
+    dynamic_config_path: str | None = None  # a profile: K chosen by goodput; "auto": profile on first use
     hysteresis_steps: int = Field(default=3, ge=1)
+    per_request_k: bool = True  # goodput policy: a K per request from its own acceptance (else one K)
+    # a decode stops drafting where the drafter's top probability is below this; "auto" (the default
+    # with a profile): tuned from what the target accepted; without a profile the default is 0 (never)
+    draft_confidence_threshold: float | Literal["auto"] | None = None
     # the drafter's --quantization (default: the target's); drafts only, so any choice stays lossless
     draft_quantization: Literal["auto", "none", "int8", "int4"] | None = None
     draft_vocab_size: int | None = Field(
@@ -61,6 +65,11 @@ class SpeculativeConfig:
             raise ValueError("prompt_lookup_min: must not exceed prompt_lookup_max")
         if self.num_speculative_tokens_per_batch_size is not None and self.dynamic_config_path is not None:
             raise ValueError(f"{TABLE}: give either this table or dynamic_config_path")
+        threshold = self.draft_confidence_threshold
+        if isinstance(threshold, float) and not 0.0 <= threshold < 1.0:
+            raise ValueError(f"draft_confidence_threshold: must be in [0, 1) or 'auto', got {threshold!r}")
+        if threshold == "auto" and self.dynamic_config_path is None:
+            raise ValueError("draft_confidence_threshold: 'auto' needs dynamic_config_path (the costs)")
         return self
 
     @classmethod

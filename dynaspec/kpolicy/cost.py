@@ -104,6 +104,10 @@ class StepCostModel:
             return 1.0
         return min(MAX_DRIFT, max(1.0 / MAX_DRIFT, now / before))
 
+    def verify_ms_per_token(self) -> float:
+        """What one more verified token adds to a target pass, now."""
+        return max(0.0, float(self.target_coef[1])) * self.scales()[0]
+
     def catchup_ms_per_token(self) -> float:
         return max(0.0, float(self.draft_coef[2])) * self.scales()[1]
 

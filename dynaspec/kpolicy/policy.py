@@ -3,7 +3,9 @@
 - ``FixedK``: always ``num_speculative_tokens``.
 - ``TableK``: the per-batch-size table (``num_speculative_tokens_per_batch_size``).
 - ``GoodputK``: K* = argmax_K AL(K) / ITL(bs, K) from a profile, with acceptance and step costs
-  that follow live traffic, choosing K together with which requests draft (drafter catch-up).
+  that follow live traffic, choosing K together with which requests draft (drafter catch-up);
+  by default then a K per request, from each request's own acceptance, and draft confidence stops
+  tuned from what the target accepted.
 
 Table and goodput policies switch K only after the new choice has won ``hysteresis_steps``
 consecutive steps (the first choice is immediate), so K does not flip at a batch-size boundary.
@@ -12,8 +14,9 @@ Every division is guarded: empty or zero data never crashes a policy.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dynaspec.engine.types import DraftCandidate, KPolicy, StepRecord
 from dynaspec.kpolicy.config import SpeculativeConfig, table_lookup
@@ -56,6 +59,8 @@ class Hysteresis:
 class _SameKForAll:
     """Policies that learn nothing live: one K per step for the decode batch, every decode drafts it."""
 
+    min_confidence = 0.0  # a fixed confidence stop (0: none)
+
     def k_for_batch(self, batch_size: int) -> int:
         raise NotImplementedError
 
@@ -66,10 +71,14 @@ class _SameKForAll:
     def observe(self, record: StepRecord) -> None:
         pass
 
+    def min_draft_confidence(self) -> float:
+        return self.min_confidence
+
 
 class FixedK(_SameKForAll):
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, min_confidence: float = 0.0) -> None:
         self.k = k
+        self.min_confidence = min_confidence
 
     def k_for_batch(self, batch_size: int) -> int:
         return self.k if batch_size else 0
@@ -79,7 +88,14 @@ class FixedK(_SameKForAll):
 
 
 class TableK(_SameKForAll):
-    def __init__(self, table: Sequence[Sequence[int]], max_k: int, hysteresis_steps: int = 3) -> None:
+    def __init__(
+        self,
+        table: Sequence[Sequence[int]],
+        max_k: int,
+        hysteresis_steps: int = 3,
+        min_confidence: float = 0.0,
+    ) -> None:
+        self.min_confidence = min_confidence
         self.table = tuple(tuple(r) for r in table)
         self.max_k = max_k
         self.hysteresis = Hysteresis(hysteresis_steps)
@@ -147,14 +163,182 @@ class AcceptanceEstimate:
         return [min(1.0, max(0.0, a)) for a in out]
 
 
+def request_rates(
+    accepted: float, trials: float, batch_alpha: Sequence[float], weight: float = 4.0
+) -> list[float]:
+    """One request's α_i: the batch's, scaled by how the request's own drafts fare.
+
+    A draft token is a trial when verification reaches it (every draft before it was accepted);
+    ``accepted`` of ``trials`` were accepted (decayed counts of this request's steps). The
+    request's per-token acceptance β_r = (accepted + w·β) / (trials + w) is shrunk towards the
+    batch's β (the same ratio implied by ``batch_alpha``) with ``weight`` pseudo-trials, so a new
+    request starts at the batch's rates and its own record takes over within a few steps. Then
+    α_i = batch α_i · (β_r / β)^(i+1), clipped to [0, 1] and non-increasing: the batch's shape,
+    raised or lowered as a request accepting more or less per token would be.
+    """
+    beta = per_token_acceptance(batch_alpha)
+    if beta <= 0.0:
+        return [0.0] * len(batch_alpha)
+    own = (accepted + weight * beta) / (trials + weight) if trials + weight > 0 else beta
+    ratio = own / beta
+    out = [min(1.0, max(0.0, a * ratio ** (i + 1))) for i, a in enumerate(batch_alpha)]
+    for i in range(1, len(out)):
+        out[i] = min(out[i], out[i - 1])
+    return out
+
+
+def per_token_acceptance(alpha: Sequence[float]) -> float:
+    """β: accepted draft tokens per verified trial when every position is drafted,
+    sum(α_i) / (1 + sum(α_i for i < K-1)), 0 for an empty or zero estimate."""
+    if not alpha:
+        return 0.0
+    trials = 1.0 + sum(alpha[:-1])
+    return min(1.0, sum(alpha) / trials) if trials > 0 else 0.0
+
+
+class RequestAcceptance:
+    """Each running request's own record of trials and acceptances (decayed per step it drafts)."""
+
+    def __init__(self, decay: float = 0.9, weight: float = 4.0) -> None:
+        self.decay = decay
+        self.weight = weight
+        self.counts: dict[str, tuple[float, float]] = {}  # request id -> (accepted, trials)
+
+    def observe(
+        self, request_ids: Sequence[str], draft_lens: Sequence[int], num_accepted: Sequence[int]
+    ) -> None:
+        for rid, n, acc in zip(request_ids, draft_lens, num_accepted):
+            if n == 0:
+                continue
+            accepted, trials = self.counts.get(rid, (0.0, 0.0))
+            # trials: positions verification reached (accepted ones, and the first rejected if any)
+            self.counts[rid] = (self.decay * accepted + acc, self.decay * trials + min(n, acc + 1))
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self.counts.pop(rid, None)
+
+    def rates(self, request_id: str, batch_alpha: Sequence[float]) -> list[float]:
+        accepted, trials = self.counts.get(request_id, (0.0, 0.0))
+        return request_rates(accepted, trials, batch_alpha, self.weight)
+
+
+class ConfidenceCalibration:
+    """How often the target accepts a draft token, by the drafter's confidence in it.
+
+    The drafter's top probability at a position is binned (tenths); each bin keeps decayed counts
+    of draft tokens verification reached and of those accepted, starting from the prior that the
+    drafter is calibrated (``prior_weight`` pseudo-tokens at the bin's centre). ``threshold``
+    returns the confidence below which drafting stops: the top of the run of lowest bins whose
+    acceptance is below the break-even rate (capped at ``MAX_THRESHOLD``).
+    """
+
+    BINS = 10
+    MAX_THRESHOLD = 0.8
+
+    def __init__(self, decay: float = 0.995, prior_weight: float = 4.0) -> None:
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self.reached = [0.0] * self.BINS
+        self.accepted = [0.0] * self.BINS
+
+    def observe(
+        self, confidence: Sequence[Sequence[float]], draft_lens: Sequence[int], num_accepted: Sequence[int]
+    ) -> None:
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for row, n, acc in zip(confidence, draft_lens, num_accepted):
+            for j, p in enumerate(row[: min(n, acc + 1)]):  # positions verification reached
+                b = min(self.BINS - 1, max(0, int(p * self.BINS)))
+                self.reached[b] += 1
+                self.accepted[b] += j < acc
+
+    def rate(self, b: int) -> float:
+        centre = (b + 0.5) / self.BINS
+        w = self.prior_weight
+        return (self.accepted[b] + w * centre) / (self.reached[b] + w)
+
+    def threshold(self, break_even: float) -> float:
+        t = 0.0
+        for b in range(self.BINS):
+            if self.rate(b) >= break_even:
+                break
+            t = (b + 1) / self.BINS
+        return min(t, self.MAX_THRESHOLD)
+
+    def snapshot(self) -> list[float]:
+        return [round(self.rate(b), 3) for b in range(self.BINS)]
+
+
+def refine_drafts(
+    start: Sequence[int],
+    rates: Sequence[Sequence[float]],
+    charges: Sequence[float],
+    caps: Sequence[int],
+    layer_cost: Callable[[int, int], float],
+    plain_ms: float,
+    batch_size: int,
+) -> list[int]:
+    """Per-request K by local search on the step's expected goodput, from ``start`` (e.g. the best
+    uniform K).
+
+    Request i drafting k_i tokens adds its expected accepted tokens sum(rates[i][:k_i]); the
+    step's draft positions form layers, layer j holding the m_j requests with k_i > j and costing
+    ``layer_cost(m_j, j)`` ms (a drafter pass and m_j verified tokens); a drafting request also
+    pays ``charges[i]`` ms per token it generates (drafter catch-up). Goodput is
+
+        (batch_size + sum_i sum(rates[i][:k_i])) / (plain_ms + sum_j layer_cost(m_j, j) + catch-up)
+
+    and each request's k_i (0..caps[i]) moves up or down by one while that raises it.
+    """
+    ks = [min(k, cap) for k, cap in zip(start, caps)]
+    max_k = max(caps, default=0)
+    m = [sum(k > j for k in ks) for j in range(max_k)]
+
+    def tokens_of(i: int, k: int) -> float:
+        return sum(rates[i][:k])
+
+    def charge_of(i: int, k: int) -> float:
+        return charges[i] * (1.0 + tokens_of(i, k)) if k else 0.0
+
+    def layer(count: int, j: int) -> float:
+        return layer_cost(count, j) if count else 0.0
+
+    tokens = batch_size + sum(tokens_of(i, k) for i, k in enumerate(ks))
+    time = plain_ms + sum(layer(m[j], j) for j in range(max_k))
+    time += sum(charge_of(i, k) for i, k in enumerate(ks))
+    if time <= 0:
+        return ks
+    for _ in range(2 * max_k + 2):
+        improved = False
+        for i in range(len(ks)):
+            for new in (ks[i] + 1, ks[i] - 1):
+                if not 0 <= new <= caps[i]:
+                    continue
+                j = min(new, ks[i])  # the layer the request joins or leaves
+                step = 1 if new > ks[i] else -1
+                d_time = layer(m[j] + step, j) - layer(m[j], j) + charge_of(i, new) - charge_of(i, ks[i])
+                d_tokens = tokens_of(i, new) - tokens_of(i, ks[i])
+                if time + d_time > 0 and (tokens + d_tokens) / (time + d_time) > tokens / time * (1 + 1e-9):
+                    tokens, time = tokens + d_tokens, time + d_time
+                    m[j] += step
+                    ks[i] = new
+                    improved = True
+                    break
+        if not improved:
+            break
+    return ks
+
+
 class GoodputK:
-    """K* = argmax AL(K) / ITL(bs, K), with live acceptance, live step costs, and who drafts.
+    """K* = argmax AL(K) / ITL(bs, K), with live acceptance, live step costs, and who drafts; then,
+    with ``per_request``, a K for each request.
 
     ITL(bs, K) is the profile's grid (smoothed, interpolated) times the drift the live cost model
     (``kpolicy.cost``) has seen since the profile. A draft model must first catch up on the tokens
     it has not seen (a new request's whole prompt), so request i costs
-    c_i = catch-up ms per token x ``DraftCandidate.catchup_per_token()`` per generated token. With
-    requests sorted by c_i, for every K and every n the step's goodput is
+    c_i = catch-up ms per token x the tokens it owes per generated token. With requests sorted by
+    c_i, for every K and every n the step's goodput is
 
         (bs + n (AL(K) - 1)) / (ITL(bs, 0) + ITL(n, K) - ITL(n, 0) + AL(K) * sum_{i<n} c_i)
 
@@ -162,6 +346,19 @@ class GoodputK:
     the best (K, n) wins, with hysteresis on K. bs is the load (every running request, prefilling
     ones included, and waiting ones up to max_num_seqs): the decode batch dips whenever arrivals
     are prefilled, so it would mislead. Only decoding candidates draft.
+
+    Per request (the default), that uniform choice is the start of ``refine_drafts``: each
+    request's K moves by one while the step's expected goodput rises, with the request's own
+    acceptance (``request_rates``) and draft position j of m rows priced as the grid's
+    ITL(m, j+1) - ITL(m, j). A uniform K prices exactly as above, so the refined choice is never
+    worse by the model. Without per-request K, a drafting slot is also charged the steady-state
+    catch-up of the request that will replace it (one prompt per output budget); per request, each
+    request pays what it owes when it drafts, and a replacement pays its own.
+
+    Confidence stops: a decode stops drafting at a position whose drafter top probability is below
+    ``min_draft_confidence()``, fixed by ``min_confidence`` or, when that is None, the top of the
+    confidence bins whose measured acceptance is below break-even, V * bs / ITL(bs, 0) (V: what a
+    verified token adds to a target pass; an accepted token is worth a plain step's time per token).
     """
 
     def __init__(
@@ -170,6 +367,8 @@ class GoodputK:
         max_k: int,
         hysteresis_steps: int = 3,
         cost_model: StepCostModel | None = None,
+        per_request: bool = True,
+        min_confidence: float | None = None,
         **estimate_kwargs,
     ) -> None:
         self.profile = profile
@@ -188,7 +387,13 @@ class GoodputK:
             else:
                 cost_model = StepCostModel(*prior_from_grid(profile.batch_stats))
         self.costs = cost_model
+        self.per_request = per_request
+        self.requests = RequestAcceptance()
+        self.fixed_confidence = min_confidence
+        self.calibration = ConfidenceCalibration()
+        self.load = 0  # the load of the last choice (for the confidence stop's break-even)
         self.num_withheld = 0  # request-steps kept from drafting because their catch-up would not pay
+        self.mean_k = 0.0  # mean K over the decodes of the last choice
 
     def itl(self, batch_size: int, k: int) -> float | None:
         """ITL(bs, K) in ms: the profile's, times the live drift; the cost model's alone off the grid."""
@@ -200,15 +405,18 @@ class GoodputK:
 
     def k_for_batch(self, batch_size: int) -> int:
         """K for a batch whose drafter is caught up everywhere."""
-        return self.choose([DraftCandidate(1, 1)] * batch_size)[0]
+        return self.choose([DraftCandidate(1, 1 << 30)] * batch_size)[0]
 
     def choose(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
-        bs = len(candidates)
+        bs = self.load = len(candidates)
         if bs == 0:
             return 0, []
         alpha = self.acceptance.rates()
         per_token = self.costs.catchup_ms_per_token()
-        cost = [per_token * c.catchup_per_token() for c in candidates]
+        if self.per_request:
+            cost = [per_token * c.catchup_owed() for c in candidates]
+        else:
+            cost = [per_token * c.catchup_per_token() for c in candidates]
         order = sorted(range(bs), key=lambda i: (cost[i], not candidates[i].decoding))
         prefix = [0.0]
         for i in order:
@@ -224,11 +432,29 @@ class GoodputK:
         drafts = [0] * bs
         for i in order[:n]:
             drafts[i] = k if candidates[i].decoding else 0
+        plain = self.itl(bs, 0)
+        if self.per_request and self.max_k and plain:
+            drafts = refine_drafts(
+                drafts,
+                [self.requests.rates(c.request_id, alpha) for c in candidates],
+                cost,
+                [min(self.max_k, max(0, c.tokens_left - 1)) if c.decoding else 0 for c in candidates],
+                functools.lru_cache(maxsize=None)(self._layer_cost),  # the grid read once per cell
+                plain,
+                bs,
+            )
+            k = max(drafts)
         num_decoding = sum(c.decoding for c in candidates)
         self.num_withheld += num_decoding - sum(d > 0 for d in drafts) if k else 0
+        self.mean_k = sum(drafts) / num_decoding if num_decoding else 0.0
         if _log_change(self.k_by_batch_size, bs, k, "goodput"):
             log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in alpha))
         return k, drafts
+
+    def _layer_cost(self, rows: int, j: int) -> float:
+        """Draft position j for ``rows`` requests: ITL(rows, j+1) - ITL(rows, j), at least 0."""
+        hi, lo = self.itl(rows, j + 1), self.itl(rows, j)
+        return max(0.0, hi - lo) if hi is not None and lo is not None else float("inf")
 
     def _scores(self, bs: int, alpha: list[float], prefix: list[float]) -> dict[tuple[int, int], float]:
         plain = self.itl(bs, 0)
@@ -246,18 +472,36 @@ class GoodputK:
                 scores[(k, n)] = (bs + n * (al - 1)) / step
         return scores
 
+    def min_draft_confidence(self) -> float:
+        if self.fixed_confidence is not None:
+            return self.fixed_confidence
+        bs = max(1, self.load)
+        plain = self.itl(bs, 0)
+        if not plain or plain <= 0:
+            return 0.0
+        return self.calibration.threshold(min(1.0, self.costs.verify_ms_per_token() * bs / plain))
+
     def observe(self, record: StepRecord) -> None:
-        if record.result.draft_lens:
-            self.acceptance.observe(record.result.draft_lens, record.result.num_accepted)
+        result = record.result
+        self.requests.release(record.plan.released)
+        if result.draft_lens:
+            self.acceptance.observe(result.draft_lens, result.num_accepted)
+            ids = [r.request_id for r in record.plan.decodes]
+            self.requests.observe(ids, result.draft_lens, result.num_accepted)
+            if record.draft_confidence is not None:
+                self.calibration.observe(record.draft_confidence, result.draft_lens, result.num_accepted)
         self.costs.observe(record.timing)
 
     def snapshot(self) -> dict:
         return {
             "policy": "goodput",
+            "per_request": self.per_request,
             "k": self.hysteresis.current,
             "k_by_batch_size": dict(sorted(self.k_by_batch_size.items())),
             "acceptance_rate_per_pos": [round(a, 4) for a in self.acceptance.rates()],
             "requests_withheld": self.num_withheld,
+            "min_draft_confidence": round(self.min_draft_confidence(), 3),
+            "acceptance_by_confidence": self.calibration.snapshot(),
             "cost_model": self.costs.snapshot(),
         }
 
@@ -271,14 +515,23 @@ def _log_change(k_by_batch_size: dict[int, int], batch_size: int, k: int, name: 
 
 
 def make_policy(config: SpeculativeConfig, profile: Profile | None = None) -> KPolicy:
+    confidence = config.draft_confidence_threshold
     if config.dynamic_config_path is not None or profile is not None:
         profile = profile or load_profile(config.dynamic_config_path)
         max_k = config.num_speculative_tokens or profile.max_num_speculative_tokens
-        return GoodputK(profile, max_k, config.hysteresis_steps)
+        return GoodputK(
+            profile,
+            max_k,
+            config.hysteresis_steps,
+            per_request=config.per_request_k,
+            min_confidence=None if confidence in (None, "auto") else confidence,
+        )
+    fixed = confidence if isinstance(confidence, float) else 0.0
     if config.num_speculative_tokens_per_batch_size is not None:
         return TableK(
             config.num_speculative_tokens_per_batch_size,
             config.num_speculative_tokens,
             config.hysteresis_steps,
+            fixed,
         )
-    return FixedK(config.num_speculative_tokens)
+    return FixedK(config.num_speculative_tokens, fixed)

@@ -44,6 +44,7 @@ class DraftModelProposer(Proposer):
         self.vocab_size = self.model.config.vocab_size  # the verifier's q needs the full vocabulary
         self.runner: ModelRunner | None = None
         self.num_computed: dict[str, int] = {}  # request id -> tokens whose draft K/V is valid
+        self.fed_drafts: dict[str, int] = {}  # of the step being verified: request id -> drafts fed
 
     def unseen_tokens(self, request) -> int:
         """Tokens to feed before drafting for ``request``: 1 when caught up, its whole prompt when new."""
@@ -56,6 +57,11 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(self.model, num_slots, self.ctx.block_size, self.kv_dtype, self.ctx.device)
 
     def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
+        """Up to ``k_caps[i]`` drafts per decode, one drafter pass per position over the rows still
+        drafting. A row stops before position j when the drafter's top probability there is below
+        ``plan.min_draft_confidence`` (a confidence stop): decided from the distribution, not the
+        token drawn from it, so which positions are verified depends only on earlier drafts and
+        sampled verification stays exact."""
         if plan.k == 0:
             return self.no_drafts(plan)
         active = [i for i, cap in enumerate(plan.k_caps) if cap > 0]
@@ -66,6 +72,9 @@ class DraftModelProposer(Proposer):
         probs = None
         if want_probs:
             probs = torch.zeros(plan.num_decodes, k, self.vocab_size, device=self.ctx.device)
+        lens = [0] * plan.num_decodes  # draft tokens kept per decode
+        self.fed_drafts = {}
+        confidence: list[list[float]] = [[] for _ in range(plan.num_decodes)]
         runs = []
         for i in active:
             r = plan.decodes[i]
@@ -74,8 +83,10 @@ class DraftModelProposer(Proposer):
                 TokenRun(r.token_at(done, r.num_tokens), done, r.block_ids, [r.num_tokens - done - 1])
             )
         for j in range(k):
-            if j > 0:  # feed draft j-1 of the requests that want more than j drafts
-                active = [i for i in active if plan.k_caps[i] > j]
+            if j > 0:  # feed draft j-1 of the requests that still draft at j
+                active = [i for i in active if plan.k_caps[i] > j and lens[i] == j]
+                if not active:
+                    break
                 runs = [
                     TokenRun(
                         [int(tokens[i, j - 1])],
@@ -99,14 +110,23 @@ class DraftModelProposer(Proposer):
                 )[:, 0]
                 q = F.pad(q, (0, self.vocab_size - q.shape[-1]))  # a pruned head never proposes the rest
                 probs[:, j].index_copy_(0, idx, q)
+                top = q.max(-1)
                 for row, i in enumerate(active):
                     if sampling.temperature[i] > 0:
                         tokens[i, j] = torch.multinomial(q[row], 1, generator=sampling.generators[i])[0]
                     else:
-                        tokens[i, j] = q[row].argmax()
+                        tokens[i, j] = top.indices[row]
+                top_p = top.values.tolist()
             else:
-                tokens[idx, j] = logits[:, 0].argmax(-1)
-        return Drafts(tokens, list(plan.k_caps), probs, passes)
+                top = torch.softmax(logits[:, 0], -1).max(-1)  # [len(active)]
+                tokens[idx, j] = top.indices
+                top_p = top.values.tolist()
+            for row, i in enumerate(active):
+                self.fed_drafts[plan.decodes[i].request_id] = j  # pass j fed drafts 0..j-1
+                if top_p[row] >= plan.min_draft_confidence:
+                    lens[i] = j + 1
+                    confidence[i].append(top_p[row])
+        return Drafts(tokens, lens, probs, passes, confidence)
 
     def catch_up(self, prompts: list[list[int]], block_tables: list[list[int]]) -> float:
         runs = [TokenRun(ids, 0, blocks, [len(ids) - 1]) for ids, blocks in zip(prompts, block_tables)]
@@ -120,12 +140,14 @@ class DraftModelProposer(Proposer):
         return (time.perf_counter() - start) * 1000
 
     def commit(self, plan: SchedulePlan, result: StepResult) -> None:
-        for r, draft_len, accepted in zip(plan.decodes, result.draft_lens, result.num_accepted):
-            if draft_len == 0:
+        for r, accepted in zip(plan.decodes, result.num_accepted):
+            fed = self.fed_drafts.get(r.request_id)
+            if fed is None:  # the drafter did not run for it this step
                 continue
             # runs before the scheduler appends: r.num_tokens is still the length drafts followed.
-            # The drafter holds the real tokens and drafts 1..draft_len-1; accepted ones stay valid.
-            self.num_computed[r.request_id] = r.num_tokens + min(accepted, draft_len - 1)
+            # The drafter holds the real tokens and the drafts it was fed; accepted ones stay valid.
+            self.num_computed[r.request_id] = r.num_tokens + min(accepted, fed)
+        self.fed_drafts = {}
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
