@@ -11,14 +11,21 @@ BUILTIN = {"mtbench": DATA_DIR / "mt_bench.jsonl", "humaneval": DATA_DIR / "huma
 Prompt = str | list[dict]  # plain text, or chat messages
 
 
+MIXED = "mixed"  # the two built-in sets interleaved: code and chat traffic in one stream
+
+
 def load_prompts(spec: str, chat: bool = True) -> list[Prompt]:
-    """Prompts from a built-in set name or a file.
+    """Prompts from a built-in set name (or ``mixed``: HumanEval and MT-Bench alternating) or a file.
 
     Files may be JSONL (one object per line), a JSON list, or plain text (one prompt per line).
     An object gives its prompt as ``messages`` (chat), ``prompt``, ``turns`` (first turn) or
     ``text``. With ``chat``, plain prompts become a single user message.
     """
-    path = BUILTIN.get(spec.lower().replace("-", "").replace("_", ""), Path(spec))
+    name = spec.lower().replace("-", "").replace("_", "")
+    if name == MIXED:
+        code, chat_prompts = load_prompts("humaneval", chat), load_prompts("mtbench", chat)
+        return [p for pair in zip(code, chat_prompts) for p in pair]
+    path = BUILTIN.get(name, Path(spec))
     if not path.is_file():
         raise ValueError(f"dataset: {spec!r} is neither a built-in set ({', '.join(BUILTIN)}) nor a file")
     text = path.read_text(encoding="utf-8")

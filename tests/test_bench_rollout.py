@@ -30,7 +30,7 @@ def test_rollout_tiny(tmp_path, target_dir):
     lengths = report["lengths"]
     assert len(lengths) == 6 and max(lengths) > min(lengths)  # a long tail, drawn with a seed
     rows = {r["config"]: r for r in report["rows"]}
-    assert set(rows) == {"none", "K=1", "K=2", "table", "goodput"}
+    assert set(rows) == {"none", "K=1", "K=2", "table", "goodput", "per-request"}
     for r in rows.values():
         assert r["output_tokens"] == 2 * sum(lengths)  # ignore EOS: every request runs to its length
         assert 0 < r["t50_s"] <= r["t90_s"] <= r["makespan_s"]

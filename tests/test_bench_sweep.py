@@ -52,7 +52,7 @@ def test_sweep_tiny(tmp_path, target_dir):
     assert rc == 0
     report = json.loads(result.read_text())
     configs = {r["config"] for r in report["rows"]}
-    assert configs == {"none", "K=1", "K=2", "table", "goodput"}
+    assert configs == {"none", "K=1", "K=2", "table", "goodput", "per-request"}
     assert all(r["output_tokens_per_s"] > 0 for r in report["rows"])
     # greedy: every configuration emits exactly what the target alone does
     # C=1 runs --min-prompts (3) prompts, C=2 runs 2 x 2

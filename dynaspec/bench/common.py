@@ -56,3 +56,24 @@ def _cell(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.2f}"
     return str(v)
+
+
+DYNAMIC_CONFIGS = ("goodput", "per-request")  # policies that choose K themselves (not a fixed K)
+
+
+def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: int) -> dict[str, Any]:
+    """The K policies benchmarks compare, by name, as factories (each run gets a fresh policy):
+    ``K=<k>`` fixed; with a profile, ``table`` (its per-batch-size table), ``goodput`` (one K for
+    the load, who drafts: the batch-level rule) and ``per-request`` (a K per request and confidence
+    stops tuned online: the engine's default with a profile)."""
+    from dynaspec.kpolicy.policy import FixedK, GoodputK, TableK
+
+    policies: dict[str, Any] = {f"K={k}": (lambda k=k: FixedK(k)) for k in fixed_ks}
+    if profile is not None:
+        table = profile.num_speculative_tokens_per_batch_size
+        policies["table"] = lambda: TableK(table, max_k, hysteresis_steps)
+        policies["goodput"] = lambda: GoodputK(
+            profile, max_k, hysteresis_steps, per_request=False, min_confidence=0.0
+        )
+        policies["per-request"] = lambda: GoodputK(profile, max_k, hysteresis_steps, per_request=True)
+    return policies

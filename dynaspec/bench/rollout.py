@@ -17,7 +17,7 @@ import math
 import random
 import time
 
-from dynaspec.bench.common import format_table, write_result
+from dynaspec.bench.common import DYNAMIC_CONFIGS, format_table, k_policies, write_result
 from dynaspec.engine.args import add_engine_args
 
 
@@ -103,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
     from dynaspec.engine.args import check_at_least, engine_kwargs
     from dynaspec.engine.engine import Engine, EngineConfig
     from dynaspec.kpolicy.config import SpeculativeConfig
-    from dynaspec.kpolicy.policy import FixedK, GoodputK, TableK
     from dynaspec.kpolicy.profile import load_profile
     from dynaspec.sampling_params import SamplingParams
 
@@ -116,11 +115,7 @@ def run(args: argparse.Namespace) -> int:
     fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k.strip()]
     profile = load_profile(args.profile) if args.profile else None
     max_k = max([*fixed_ks, profile.max_num_speculative_tokens if profile else 1])
-    policies = {f"K={k}": (lambda k=k: FixedK(k)) for k in fixed_ks}
-    if profile is not None:
-        table = profile.num_speculative_tokens_per_batch_size
-        policies["table"] = lambda: TableK(table, max_k, spec.hysteresis_steps)
-        policies["goodput"] = lambda: GoodputK(profile, max_k, spec.hysteresis_steps)
+    policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
     configs = ["none", *policies]
 
     kwargs = engine_kwargs(args)
@@ -177,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
                 "rounds": [{"finish_s": r["finish"], "series": r["series"]} for r in runs],
             }
         )
-    best_fixed = min(r[1] for r in rows if r[0] not in ("table", "goodput"))
+    best_fixed = min(r[1] for r in rows if r[0] not in ("table", *DYNAMIC_CONFIGS))
     for row in rows:
         row.append(row[1] / best_fixed)
     print(format_table(["config", "makespan s", "50% s", "90% s", "tok/s", "vs best fixed"], rows))

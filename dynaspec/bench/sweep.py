@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from dynaspec.bench.common import DYNAMIC_CONFIGS, k_policies
 from dynaspec.engine.args import add_engine_args
 
 TABLE_HEADER = (
-    f"{'C':>4} {'config':<9} {'tok/s':>8} {'TPOT mean':>10} {'TPOT med':>9} {'AL':>5} {'vs best':>8} "
+    f"{'C':>4} {'config':<11} {'tok/s':>8} {'TPOT mean':>10} {'TPOT med':>9} {'AL':>5} {'vs best':>8} "
     f"{'by round':>13} {'wall s':>7}"
 )
 
@@ -50,7 +51,7 @@ def add_parser(sub) -> None:
         "--configs",
         default=None,
         help="run only these configurations, comma-separated "
-        "(none, K=<k> from --fixed-ks, table, goodput); default all",
+        "(none, K=<k> from --fixed-ks, table, goodput, per-request); default all",
     )
     p.add_argument(
         "--max-tokens", type=int, default=48, help="output cap per request (keeps the sweep short)"
@@ -62,6 +63,13 @@ def add_parser(sub) -> None:
         help="split each concurrency's prompts into this many rounds; every round runs all configurations, "
         "in reversed order every other round (ABBA), so linear drift of the machine cancels",
     )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy (outputs compared with none's); > 0: sampled, probabilistic verification",
+    )
+    p.add_argument("--sampling-seed", type=int, default=0, help="seed of sampled requests")
     p.add_argument("--result-file", default="results/sweep.json")
     p.add_argument("--plot", default=None, help="PNG of throughput and TPOT against concurrency")
     p.set_defaults(func=run)
@@ -136,7 +144,6 @@ def run(args: argparse.Namespace) -> int:
     from dynaspec.engine.args import check_at_least, engine_kwargs
     from dynaspec.engine.engine import Engine, EngineConfig
     from dynaspec.kpolicy.config import SpeculativeConfig
-    from dynaspec.kpolicy.policy import FixedK, GoodputK, TableK
     from dynaspec.kpolicy.profile import load_profile
     from dynaspec.sampling_params import SamplingParams
 
@@ -165,9 +172,7 @@ def run(args: argparse.Namespace) -> int:
     spec_dict.pop("num_speculative_tokens_per_batch_size", None)
     spec_dict.pop("dynamic_config_path", None)
     table = profile.num_speculative_tokens_per_batch_size
-    policies = {f"K={k}": (lambda k=k: FixedK(k)) for k in fixed_ks}
-    policies["table"] = lambda: TableK(table, max_k, spec.hysteresis_steps)
-    policies["goodput"] = lambda: GoodputK(profile, max_k, spec.hysteresis_steps)
+    policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
     configs = ["none", *policies]
     if args.configs is not None:
         wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -185,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         engines["spec"] = Engine(
             EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict})
         )
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
 
     for engine in engines.values():  # first-call overheads (allocations, kernel selection) off the clock
         closed_loop(engine, prompts[:2], 2, SamplingParams(max_tokens=4, temperature=0.0))
@@ -211,10 +216,10 @@ def run(args: argparse.Namespace) -> int:
                     bar.update(1)
             results = list(pooled.values())
             _save(
-                args.result_file, summarize(results, configs, concurrencies[: ci + 1])
+                args.result_file, summarize(results, configs, concurrencies[: ci + 1], args.temperature == 0)
             )  # partial, in case the run is cut
     results = list(pooled.values())
-    report = summarize(results, configs, concurrencies)
+    report = summarize(results, configs, concurrencies, args.temperature == 0)
     report["command_args"] = {k: v for k, v in vars(args).items() if k != "func"}
     report["profile_table"] = table
     print(format_report(report))
@@ -284,10 +289,13 @@ def _save(path: str | None, report: dict) -> None:
         Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
-def summarize(results: list[RunResult], configs: list[str], concurrencies: list[int]) -> dict:
+def summarize(
+    results: list[RunResult], configs: list[str], concurrencies: list[int], greedy: bool = True
+) -> dict:
     rows = [r.row() for r in results]
     by = {(r["concurrency"], r["config"]): r for r in rows}
-    plain = {(r.concurrency): r.token_ids for r in results if r.config == "none"}
+    # greedy only: sampled outputs follow the target's distribution, not its tokens
+    plain = {(r.concurrency): r.token_ids for r in results if r.config == "none" and greedy}
     for r in results:  # greedy: every configuration should emit the target's own tokens
         ref = plain.get(r.concurrency)
         if ref is None:  # "none" not among the configurations run
@@ -298,7 +306,7 @@ def summarize(results: list[RunResult], configs: list[str], concurrencies: list[
 
 
 def compare(rows: list[dict], configs: list[str], concurrencies: list[int]) -> dict:
-    """Each row against the best other configuration (goodput never counts as one), pooled and
+    """Each row against the best other configuration (the dynamic ones never count as one), pooled and
     round by round, and the sweep's totals. Works on saved rows too (``--from-json``).
 
     ``vs_best_other_by_round`` pairs the rounds: round r of this configuration over round r of
@@ -307,7 +315,7 @@ def compare(rows: list[dict], configs: list[str], concurrencies: list[int]) -> d
     by = {(r["concurrency"], r["config"]): r for r in rows}
     for c in concurrencies:
         for name in configs:
-            others = [o for o in configs if o not in (name, "goodput")]
+            others = [o for o in configs if o != name and o not in DYNAMIC_CONFIGS]
             best = max(others, key=lambda o: by[(c, o)]["output_tokens_per_s"], default=None)
             row = by[(c, name)]
             rate = by[(c, best)]["output_tokens_per_s"] if best else 0.0
@@ -340,18 +348,21 @@ def format_report(report: dict) -> str:
         rounds = r.get("vs_best_other_by_round") or []
         spread = f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else ""
         lines.append(
-            f"{r['concurrency']:>4} {r['config']:<9} {r['output_tokens_per_s']:>8.2f} "
+            f"{r['concurrency']:>4} {r['config']:<11} {r['output_tokens_per_s']:>8.2f} "
             f"{r['tpot_mean_ms'] or 0:>10.1f} {r['tpot_median_ms'] or 0:>9.1f} {al:>5} {vs:>8} {spread:>13} "
             f"{r['wall_s']:>7.1f}"
         )
     lines.append("")
-    lines.append(f"{'config':<9} {'total wall s':>12} {'geomean speedup vs none':>24}")
+    lines.append(f"{'config':<11} {'total wall s':>12} {'geomean speedup vs none':>24}")
     for name, t in report["totals"].items():
         geomean = t["geomean_speedup_vs_none"]
         lines.append(
-            f"{name:<9} {t['total_wall_s']:>12.1f} {'n/a' if geomean is None else f'{geomean:.3f}':>24}"
+            f"{name:<11} {t['total_wall_s']:>12.1f} {'n/a' if geomean is None else f'{geomean:.3f}':>24}"
         )
     return "\n".join(lines)
+
+
+DYNAMIC_COLOURS = {"goodput": "black", "per-request": "crimson"}
 
 
 def plot_sweep(report: dict, path: str) -> None:
@@ -370,7 +381,11 @@ def plot_sweep(report: dict, path: str) -> None:
     for name in configs:
         rows = sorted((r for r in report["rows"] if r["config"] == name), key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in rows]
-        style = dict(linewidth=2.5, color="black") if name == "goodput" else {}
+        style = (
+            dict(linewidth=2.5, color={"goodput": "black", "per-request": "crimson"}[name])
+            if name in DYNAMIC_CONFIGS
+            else {}
+        )
         ys = [r["output_tokens_per_s"] for r in rows]
         spread = [
             [y - min(r.get("tokens_per_s_by_round") or [y]) for y, r in zip(ys, rows)],
