@@ -4,8 +4,8 @@ import json
 
 from test_engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggered
 
-from dynaspec.bench.profiler import ProfileSettings, measure_catchup, measure_itl
 from dynaspec.cli import main
+from dynaspec.engine.profiler import ProfileSettings, measure_catchup, measure_itl
 from dynaspec.kpolicy.profile import derive_table, load_profile
 
 
@@ -108,3 +108,43 @@ def test_profile_refuses_bad_rounds(tmp_path, target_dir, capsys):
     )
     assert rc != 0 and "--rounds: must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_auto_profiles_once_reuses_the_cache_and_replaces_a_corrupt_one(
+    target_dir, tmp_path, monkeypatch, caplog
+):
+    """`"dynamic_config_path": "auto"` profiles the engine on first use, then reads the cached file:
+    a second engine never profiles, and a corrupt cache is replaced with a notice, not a crash."""
+    import logging
+
+    from dynaspec.engine import profiler
+    from dynaspec.kpolicy.policy import GoodputK
+
+    monkeypatch.setenv("DYNASPEC_CACHE", str(tmp_path))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "dynamic_config_path": "auto"}
+    calls = []
+    real = profiler.run_profile
+    monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with caplog.at_level(logging.WARNING, logger="dynaspec"):
+        first = make_engine(target_dir, speculative_config=spec)
+    cached = list((tmp_path / "profiles").glob("*.json"))
+    assert len(calls) == 1 and len(cached) == 1 and "profiling this machine" in caplog.text
+    assert isinstance(first.k_policy, GoodputK) and first.k_policy.max_k == 3
+    assert load_profile(cached[0]).batch_stats  # a real profile, measured on this engine
+    assert first.stats()["num_steps"] == 0  # the profiling steps are not the user's statistics
+    plain = run_alone(target_dir, PROMPTS)
+    assert run_staggered(first, PROMPTS, arrive_every=2) == plain
+
+    caplog.clear()
+    second = make_engine(target_dir, speculative_config=spec)
+    assert len(calls) == 1 and "profiling" not in caplog.text  # reused
+    assert second.k_policy.profile.batch_stats == load_profile(cached[0]).batch_stats
+
+    cached[0].write_text('{"max_num_speculative_tokens": "three"')  # cut short
+    with caplog.at_level(logging.WARNING, logger="dynaspec"):
+        make_engine(target_dir, speculative_config=spec)
+    assert len(calls) == 2 and "unreadable" in caplog.text
+    assert load_profile(cached[0]).batch_stats  # replaced by a good one
+    # another drafter configuration is another machine profile: its own file
+    make_engine(target_dir, speculative_config={**spec, "num_speculative_tokens": 2})
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 2

@@ -14,12 +14,9 @@ import torch
 
 
 def environment() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    from dynaspec.engine.profiler import cpu_name
+
+    cpu = cpu_name()
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": sys.version.split()[0],

@@ -47,9 +47,9 @@ def _batch_sizes(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dynaspec.bench.profiler import ProfileSettings, run_profile
     from dynaspec.datasets import load_prompts
     from dynaspec.engine.engine import Engine, EngineConfig
+    from dynaspec.engine.profiler import ProfileSettings, run_profile
     from dynaspec.kpolicy.config import SpeculativeConfig
     from dynaspec.kpolicy.profile import save_profile
 

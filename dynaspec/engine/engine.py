@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 import torch
 
 from dynaspec.engine.kv_cache import BlockAllocator, kv_bytes_per_token
+from dynaspec.engine.profiler import AUTO, AUTO_MAX_K, auto_profile
 from dynaspec.engine.request import Request, RequestOutput
 from dynaspec.engine.runner import ModelRunner
 from dynaspec.engine.sampler import SamplingTensors, score_prompts
 from dynaspec.engine.scheduler import Scheduler
 from dynaspec.engine.types import KPolicy, StepRecord, StepTiming
 from dynaspec.kpolicy.config import SpeculativeConfig
-from dynaspec.kpolicy.policy import make_policy
+from dynaspec.kpolicy.policy import FixedK, make_policy
 from dynaspec.models.build import QUANTIZATIONS, effective_quantization
 from dynaspec.models.loader import DTYPES, compute_dtypes, load_model, resolve_model
 from dynaspec.models.tokenizer import IncrementalDetokenizer
@@ -127,16 +128,27 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.runner = ModelRunner(model, num_blocks * config.block_size, config.block_size, kv_dtype, device)
         self.proposer.allocate_kv(num_blocks * config.block_size)
-        self._k_policy = make_policy(config.speculative_config) if config.speculative_config else None
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.proposer.unseen_tokens
         )
-        self.counters = EngineCounters()
         self._recordings: list[Recording] = []  # open ``recording()`` blocks
-        self._seeds = random.Random(config.seed)
-        self._ids = itertools.count()
         self.device = device
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        spec = config.speculative_config
+        self._k_policy: KPolicy | None = None
+        if spec is not None and spec.dynamic_config_path == AUTO:  # profile this engine on first use
+            self._reset_counters()
+            self._k_policy = FixedK(spec.num_speculative_tokens or AUTO_MAX_K)
+            self._k_policy = make_policy(spec, auto_profile(self, spec))
+        elif spec is not None:
+            self._k_policy = make_policy(spec)
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        """Statistics, request ids and seeds start afresh (after the engine's own profiling)."""
+        self.counters = EngineCounters()
+        self._seeds = random.Random(self.config.seed)
+        self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(

@@ -10,28 +10,46 @@ steps; drift then lands on every K alike. Every step is also timed pass by pass 
 drafter pass) and, together with drafter passes over whole prompts (the catch-up a new request
 costs), fitted into the profile's ``cost_model``, the prior of the goodput policy's live cost
 model.
+
+``auto_profile`` is ``"dynamic_config_path": "auto"``: a quick profile of the engine itself on
+first use, cached under the cache directory keyed by everything that changes its figures (target,
+drafter, quantization, dtypes, device, CPU, threads, torch), and read back after.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import json
+import logging
+import os
 import platform
 import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-from dynaspec.bench.common import environment
-from dynaspec.engine.engine import Engine
+from dynaspec.datasets import load_prompts
 from dynaspec.engine.types import DraftPass, StepTiming
+from dynaspec.kpolicy.config import SpeculativeConfig
 from dynaspec.kpolicy.cost import fit_timings
 from dynaspec.kpolicy.policy import FixedK
-from dynaspec.kpolicy.profile import Profile, derive_table
+from dynaspec.kpolicy.profile import Profile, derive_table, load_profile, save_profile
+from dynaspec.models.packs import cache_root
 from dynaspec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dynaspec.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+AUTO = "auto"  # dynamic_config_path: profile on first use, cached
+AUTO_MAX_K = 5  # the largest K an auto profile measures unless num_speculative_tokens says otherwise
 
 
 @dataclass(slots=True)
@@ -160,7 +178,7 @@ def run_profile(
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "torch": torch.__version__,
             "device": str(engine.device),
-            "cpu": environment()["cpu"],
+            "cpu": cpu_name(),
             "threads": torch.get_num_threads(),
             "platform": platform.platform(),
             "settings": {
@@ -184,3 +202,90 @@ def _fixed_k(engine: Engine, k: int) -> Iterator[None]:
         yield
     finally:
         engine.set_k_policy(previous)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown"
+            )
+    except OSError:
+        return "unknown"
+
+
+def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
+    """The quick profile: batch sizes 1..16 (up to max_num_seqs), K = 0..max_k, one round, and
+    acceptance from 8 short generations; the live estimates refine both afterwards."""
+    return ProfileSettings(
+        batch_sizes=[b for b in (1, 2, 4, 8, 16) if b <= max_num_seqs] or [1],
+        max_k=max_k,
+        num_acceptance_prompts=8,
+        acceptance_max_tokens=48,
+        warmup_steps=1,
+        measured_steps=2,
+        rounds=1,
+        catchup_rows=(1, 2),
+        catchup_repeats=1,
+    )
+
+
+def auto_profile_key(engine: Engine, spec: SpeculativeConfig) -> dict:
+    """What the cached profile's figures depend on."""
+    return {
+        "target": _model_id(engine.config.model),
+        "drafter": _model_id(spec.model) if spec.model else spec.method,
+        "draft_vocab_size": spec.draft_vocab_size,
+        "draft_quantization": spec.draft_quantization,
+        "quantization": engine.quantization,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "max_k": spec.num_speculative_tokens or AUTO_MAX_K,
+        "ngram": [spec.prompt_lookup_min, spec.prompt_lookup_max] if spec.method == "ngram" else None,
+    }
+
+
+def auto_profile_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    name = Path(key["target"]).name.removesuffix(".gguf")
+    return cache_root() / "profiles" / f"{name}-{digest}.json"
+
+
+def auto_profile(engine: Engine, spec: SpeculativeConfig) -> Profile:
+    """The cached profile for this engine and machine, made (quickly) on first use.
+
+    A cached file that cannot be read is replaced, with a notice; nothing here fails a start-up
+    that a profile could rescue."""
+    key = auto_profile_key(engine, spec)
+    path = auto_profile_path(key)
+    if path.is_file():
+        try:
+            return load_profile(path)
+        except ValueError as e:
+            log.warning("dynaspec: the cached profile is unreadable (%s); profiling again", e)
+    settings = auto_settings(key["max_k"], engine.config.max_num_seqs)
+    log.warning(
+        "dynaspec: profiling this machine for the goodput K policy (once, about %d steps); cached at %s",
+        len(settings.batch_sizes) * (key["max_k"] + 1) * (settings.warmup_steps + settings.measured_steps),
+        path,
+    )
+    prompts = load_prompts("mixed", chat=True)
+    profile = run_profile(engine, prompts, settings, {"auto_key": key}, progress=engine.config.progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    save_profile(profile, tmp)
+    tmp.replace(path)  # atomic: a concurrent start reads the old file or the new one, never half
+    return profile
+
+
+def _model_id(model: str) -> str:
+    """A pack name as it is; a path made absolute, with its size and modification time."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        return model
+    stat = path.stat()
+    return f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
