@@ -315,7 +315,9 @@ def build_app(backend: Backend, served_model_name: str, guard: GuardConfig | Non
                 try:
                     out = _output(await queue.get())
                 except RequestFailed as e:  # the stream has started: an error event ends it
-                    yield _sse({"error": {"message": str(e), "type": "server_error", "code": "engine_failed"}})
+                    yield _sse(
+                        {"error": {"message": str(e), "type": "server_error", "code": "engine_failed"}}
+                    )
                     yield "data: [DONE]\n\n"
                     return
                 c = by_id[out.request_id]

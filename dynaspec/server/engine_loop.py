@@ -144,6 +144,11 @@ class EngineLoop:
             self._draining = True
 
     @property
+    def alive(self) -> bool:
+        """The loop thread runs (started and not stopped)."""
+        return self._thread.is_alive()
+
+    @property
     def draining(self) -> bool:
         return self._draining
 
