@@ -14,7 +14,7 @@ import random
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from dynaspec.kpolicy.routing import choose
+from dynaspec.kpolicy.routing import rank, sample
 from dynaspec.replicas.board import ReplicaBoard, ReplicaReport, board_for
 
 
@@ -30,11 +30,12 @@ class LoadAwareRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        self._read_reports(candidate_replicas)
         pinned = pending_request.kwargs.get("replica") if pending_request is not None else None
         if pinned in by_id:
             return [[by_id[pinned]]]
-        ranked = choose([self.board.candidate(i) for i in by_id], self.rng, self.num_choices)
+        sampled = sample(list(by_id), self.rng, self.num_choices)  # O(1) work past this point
+        self._read_reports([by_id[i] for i in sampled])
+        ranked = rank([self.board.candidate(i) for i in sampled])
         return [[by_id[i]] for i in ranked]
 
     def on_request_routed(
