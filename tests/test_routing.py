@@ -86,3 +86,24 @@ def test_choose_samples_two_and_ranks_them():
     assert "7" not in seen  # the worst replica never wins a pair
     assert len(seen) == 7  # every other replica wins sometimes: power of two, not the global best
     assert choose(candidates[:1], rng) == ["0"]
+
+
+def test_replicas_simulation_runs_on_the_profile(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from dynaspec.cli import main
+
+    profile = Path(__file__).parent.parent / "results" / "profile_qwen_pair_humaneval.json"
+    out = tmp_path / "sim.json"
+    argv = ["bench", "replicas-sim", "--profile", str(profile), "--replicas", "2", "--duration-s", "30"]
+    argv += ["--seeds", "1", "--result-file", str(out), "--plot", str(tmp_path / "sim.png")]
+    assert main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    configs = {(r["traffic"], r["config"]) for r in results}
+    assert ("rollout", "dynamic") in configs and ("bursty", "none") in configs
+    rollout = {r["config"]: r for r in results if r["traffic"] == "rollout"}
+    assert rollout["none"]["mean_k"] == 0 and rollout["dynamic"]["mean_k"] > 0
+    assert all(r["requests"] == 32 for r in rollout.values())  # 16 per replica, all finished
+    assert (tmp_path / "sim.png").stat().st_size > 0
+    assert "vs none" in capsys.readouterr().out
