@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import importlib
 
-BENCHMARKS = ["decode", "spec", "footprint", "perplexity", "sweep", "rollout", "serve", "qmatmul"]
+BENCHMARKS = [
+    "decode",
+    "spec",
+    "footprint",
+    "perplexity",
+    "sweep",
+    "rollout",
+    "serve",
+    "qmatmul",
+    "replicas_sim",
+]
 
 
 def add_parser(sub) -> None:

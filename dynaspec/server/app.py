@@ -1,9 +1,11 @@
-"""OpenAI-compatible HTTP API over the engine loop.
+"""OpenAI-compatible HTTP API over a backend: the in-process engine loop or engine replicas.
 
 Bad input never reaches the engine thread as an exception: bodies are validated here (pydantic;
 see ``protocol.py`` for which fields are refused or ignored) and the engine's own ValueErrors come
 back as 400s, in OpenAI's error shape. One HTTP request becomes one engine request per prompt and
 sample (``n``); a streaming client that goes away has its requests aborted, freeing their KV blocks.
+A request whose engine went away (a replica that died) gets a 503, or an SSE error event once its
+stream has started. The ``X-Dynaspec-Replica`` header pins a request to one replica (tests, debugging).
 Log-probabilities are the target's raw ones (before penalties, temperature, top-k and top-p).
 """
 
@@ -24,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dynaspec.engine.request import RequestOutput
 from dynaspec.engine.types import TokenLogprob
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.server.engine_loop import EngineLoop, Unavailable
+from dynaspec.server.backend import Backend, RequestFailed, Unavailable
 from dynaspec.server.middleware import Guard, GuardConfig
 from dynaspec.server.protocol import (
     APIError,
@@ -50,13 +52,14 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the output tokens so far
 
 
-def build_app(engine_loop: EngineLoop, served_model_name: str, guard: GuardConfig | None = None) -> FastAPI:
+REPLICA_HEADER = "x-dynaspec-replica"  # pins a request to one engine replica (tests, debugging)
+
+
+def build_app(backend: Backend, served_model_name: str, guard: GuardConfig | None = None) -> FastAPI:
     app = FastAPI(title="dynaspec", version="0.1.0")
     app.add_middleware(Guard, config=guard or GuardConfig())
-    engine = engine_loop.engine
-    tokenizer = engine.tokenizer
-    max_len = engine.max_model_len
-    engine_loop.metrics.attach(lambda: engine_loop.snapshot)
+    tokenizer = backend.tokenizer
+    max_len = backend.max_model_len
     ignored = IgnoredFields()
     token_texts: dict[int, str] = {}
 
@@ -76,6 +79,10 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, guard: GuardConfi
         response.headers["Retry-After"] = str(exc.retry_after_s)
         return response
 
+    @app.exception_handler(RequestFailed)
+    async def _request_failed(_: Request, exc: RequestFailed):
+        return _error(503, str(exc), None, "engine_failed", "server_error")
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -93,7 +100,7 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, guard: GuardConfi
 
     @app.get("/health")
     async def health():
-        if engine_loop.draining:
+        if backend.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
@@ -114,7 +121,7 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, guard: GuardConfi
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine_loop.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(backend.render_metrics(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
@@ -191,7 +198,7 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, guard: GuardConfi
         choices = []
         for p, prompt in enumerate(prompts):
             try:
-                ids = engine.prompt_token_ids(prompt)
+                ids = backend.prompt_token_ids(prompt)
             except ValueError as e:
                 raise APIError(400, f"prompt: {e}", "prompt") from None
             echo = ""
@@ -202,7 +209,9 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, guard: GuardConfi
                 index = p * body.n + i
                 choices.append(Choice(index, i, f"{response_id}-{index}", ids, echo, sample))
         try:
-            queue = await engine_loop.submit([(c.prompt_ids, c.params, c.request_id) for c in choices])
+            queue = await backend.submit(
+                [(c.prompt_ids, c.params, c.request_id) for c in choices], http.headers.get(REPLICA_HEADER)
+            )
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
         by_id = {c.request_id: c for c in choices}
@@ -214,7 +223,7 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, guard: GuardConfi
         try:
             unfinished = len(choices)
             while unfinished:
-                out: RequestOutput = await queue.get()
+                out = _output(await queue.get())
                 choice = by_id[out.request_id]
                 choice.logprobs.extend(out.new_logprobs or [])
                 if out.finished:
@@ -222,7 +231,7 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, guard: GuardConfi
                     unfinished -= 1
         except BaseException:
             for c in choices:
-                engine_loop.abort(c.request_id)
+                backend.abort(c.request_id)
             raise
         usage = _usage(choices)
         http.state.usage = usage
@@ -303,7 +312,14 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, guard: GuardConfi
                 elif c.echo_text:
                     yield _sse(_chunk(response_id, created, chat, c.index, c.echo_text))
             while unfinished:
-                out: RequestOutput = await queue.get()
+                try:
+                    out = _output(await queue.get())
+                except RequestFailed as e:  # the stream has started: an error event ends it
+                    yield _sse(
+                        {"error": {"message": str(e), "type": "server_error", "code": "engine_failed"}}
+                    )
+                    yield "data: [DONE]\n\n"
+                    return
                 c = by_id[out.request_id]
                 pending[c.request_id].extend(zip(out.new_token_ids, out.new_logprobs or []))
                 hold = max((len(s) for s in c.params.stop), default=1) - 1  # a stop string may still complete
@@ -330,7 +346,7 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, guard: GuardConfi
         finally:
             for c in choices:  # the client went away (or the server is stopping): free its KV now
                 if c.final is None:
-                    engine_loop.abort(c.request_id)
+                    backend.abort(c.request_id)
 
     def _stream_logprobs(entries: list[tuple[int, TokenLogprob]], chat: bool, offset: int) -> dict:
         tokens = [t for t, _ in entries]
@@ -383,6 +399,13 @@ def _usage(choices: list[Choice]) -> dict:
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
     }
+
+
+def _output(item: RequestOutput | RequestFailed) -> RequestOutput:
+    """A queue item: an output, or the failure of the engine that served the request (raised)."""
+    if isinstance(item, RequestFailed):
+        raise item
+    return item
 
 
 def _text(content: str | list[dict[str, Any]]) -> str:

@@ -18,18 +18,12 @@ from dataclasses import dataclass, field
 
 from dynaspec.engine.engine import Engine
 from dynaspec.engine.request import Request, RequestOutput
+from dynaspec.models.tokenizer import Tokenizer
 from dynaspec.sampling_params import SamplingParams
+from dynaspec.server.backend import Prompt, Unavailable
 from dynaspec.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-
-class Unavailable(Exception):
-    """The server takes no new requests now (full, or shutting down): a 503 with Retry-After."""
-
-    def __init__(self, message: str, retry_after_s: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)
@@ -64,6 +58,8 @@ class Snapshot:
 
 
 class EngineLoop:
+    """The in-process ``Backend`` (server/backend.py)."""
+
     def __init__(
         self,
         engine: Engine,
@@ -86,6 +82,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="dynaspec-engine", daemon=True)
         self._window = self._stats_window()
         self._refresh()
+        self.metrics.attach(lambda: self.snapshot)
 
     def start(self) -> None:
         self._thread.start()
@@ -96,12 +93,26 @@ class EngineLoop:
             self._cond.notify()
         self._thread.join(timeout=30)
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        return self.engine.prompt_token_ids(prompt)
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
     async def submit(
-        self, requests: list[tuple[str | list[int] | list[dict], SamplingParams, str]]
+        self, requests: list[tuple[Prompt, SamplingParams, str]], replica: str | None = None
     ) -> asyncio.Queue:
         """Queue (prompt, params, request id) triples as one unit; returns the one queue their
         RequestOutputs arrive on. Bad input raises ValueError (and none of them runs); a full or
-        draining server raises Unavailable."""
+        draining server raises Unavailable. ``replica`` is ignored (one engine)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         subs = [_Submission(p, sp, rid, loop, queue, loop.create_future()) for p, sp, rid in requests]
@@ -131,6 +142,11 @@ class EngineLoop:
         """Take no new requests (Unavailable) from now on; running ones go on."""
         with self._cond:
             self._draining = True
+
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs (started and not stopped)."""
+        return self._thread.is_alive()
 
     @property
     def draining(self) -> bool:

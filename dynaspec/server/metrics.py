@@ -58,13 +58,20 @@ class Metrics:
 
     def request_finished(self, request: Request, now: float) -> None:
         reason = request.finish_reason.value if request.finish_reason else "unknown"
+        self.observe_request(
+            reason, request.arrival_time, request.first_token_time, now, len(request.output_token_ids)
+        )
+
+    def observe_request(
+        self, reason: str, arrival: float, first_token: float | None, now: float, num_output_tokens: int
+    ) -> None:
+        """One finished request: its finish reason and latencies (monotonic seconds)."""
         self.success.labels(finished_reason=reason).inc()
-        self.e2e.observe(now - request.arrival_time)
-        if request.first_token_time is not None:
-            self.ttft.observe(request.first_token_time - request.arrival_time)
-            n = len(request.output_token_ids)
-            if n > 1:
-                self.tpot.observe((now - request.first_token_time) / (n - 1))
+        self.e2e.observe(now - arrival)
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            if num_output_tokens > 1:
+                self.tpot.observe((now - first_token) / (num_output_tokens - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,7 +16,7 @@ from types import FrameType
 
 import uvicorn
 
-from dynaspec.server.engine_loop import EngineLoop
+from dynaspec.server.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ FLUSH_S = 5.0  # how long aborted requests' final chunks get to reach their clie
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine_loop: Backend, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.engine_loop = engine_loop
         self.shutdown_timeout = shutdown_timeout
