@@ -56,7 +56,8 @@ def main(profile_path: str, out: str) -> None:
         ax.set_title(title)
     axes[0].set_ylabel("per-token acceptance β of the request")
     fig.colorbar(im, ax=axes, label="K")
-    fig.suptitle(f"goodput policy's K on {profile.meta.get('model', profile_path)} (profile: β={base:.2f})", y=1.04)
+    model = profile.meta.get("model", profile_path)
+    fig.suptitle(f"goodput policy's K on {model} (profile: β={base:.2f})", y=1.04)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     print(f"plot written to {out}")
 
