@@ -82,16 +82,29 @@ def rollout(engine, prompts: list, params: list) -> dict:
     start = time.perf_counter()
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     finish: list[float] = []
-    series = []  # (seconds since start, running requests, K chosen)
+    series = []  # (seconds since start, running requests, K chosen, tokens generated so far)
     policy = engine.k_policy
+    generated = engine.counters.num_generated_tokens
     while engine.has_unfinished():
         running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
         outs = engine.step()
         now = time.perf_counter() - start
-        series.append((round(now, 3), running, policy.last_k if isinstance(policy, _Traced) else 0))
+        k = policy.last_k if isinstance(policy, _Traced) else 0
+        series.append((round(now, 3), running, k, engine.counters.num_generated_tokens - generated))
         finish += [now for o in outs if o.finished]
     tokens = sum(len(r.output_token_ids) for r in requests)
     return {"finish": sorted(finish), "series": series, "tokens": tokens}
+
+
+def _rate(series: list, window_s: float) -> list[float]:
+    """Tokens per second over the ``window_s`` before each step (from the cumulative count)."""
+    out, lo = [], 0
+    for t, *_, tokens in series:
+        while series[lo][0] < t - window_s:
+            lo += 1
+        t0, tokens0 = (series[lo][0], series[lo][-1]) if lo else (0.0, 0)
+        out.append((tokens - tokens0) / (t - t0) if t > t0 else 0.0)
+    return out
 
 
 def _at(finish: list[float], fraction: float) -> float:
@@ -192,20 +205,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plot_rollout(records: list[dict], path: str) -> None:
-    """Running requests (top) and K chosen (bottom) against time, one line per configuration."""
+    """Running requests (top), output tokens/s over the last 2 s (middle) and K chosen (bottom)
+    against time, one line per configuration."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     for rec in records:
         series = rec["rounds"][0]["series"]
         t = [s[0] for s in series]
         top.step(t, [s[1] for s in series], where="post", label=rec["config"])
+        middle.plot(t, _rate(series, 2.0), label=rec["config"])
         bottom.step(t, [s[2] for s in series], where="post", label=rec["config"])
     top.set_ylabel("requests running or waiting")
-    bottom.set_ylabel("K chosen")
+    middle.set_ylabel("output tokens/s (last 2 s)")
+    bottom.set_ylabel("K chosen (largest of the step)")
     bottom.set_xlabel("seconds since the batch was submitted")
     top.legend(fontsize=8)
     top.set_title("rollout: the batch drains to a tail (first round)")
