@@ -37,6 +37,8 @@ def test_rollout_tiny(tmp_path, target_dir):
         assert len(r["rounds"]) == 2 and len(r["rounds"][0]["finish_s"]) == 6
         series = r["rounds"][0]["series"]
         assert series[0][1] == 6 and series[-1][1] >= 1  # the batch drains
+        generated = [s[3] for s in series]  # cumulative output tokens, all of the round's at the end
+        assert generated == sorted(generated) and generated[-1] == sum(lengths)
     ks = [s[2] for s in rows["K=2"]["rounds"][0]["series"]]
     assert ks[-1] == 2 and set(ks) <= {0, 2}  # 0 only in prefill-only steps, before any decode
     assert {s[2] for s in rows["none"]["rounds"][0]["series"]} == {0}
