@@ -3,7 +3,7 @@
 # (taskset -c 0, one torch thread: the machine's other core was serving other work): a HumanEval
 # profile at one thread, then the mixed-traffic sweep (per-request K beside the batch-level goodput
 # policy), the RL-rollout tail, and the cross-dataset sweep (profiled on HumanEval, run on MT-Bench).
-# About 70 minutes on the project's CPU.
+# About 80 minutes on the project's CPU; STEPS="rollout sweep_cross" runs some of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -12,18 +12,29 @@ MODEL=qwen2.5-coder-1.5b-instruct
 SPEC='{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "draft_vocab_size": 32768, "num_speculative_tokens": 5}'
 PROFILE=results/profile_1thread_humaneval.json
 QUIET='it/s]\|s/it]\|part/s]\|s/part]'
-$D profile --model $MODEL --speculative-config "$SPEC" --dataset humaneval --batch-sizes 1,2,4,8 \
-    --rounds 2 --num-prompts 8 --max-tokens 64 --output $PROFILE \
-    --plot results/goodput_1thread_humaneval.png 2>&1 | grep -v "$QUIET" | tee results/profile_1thread.log
-$D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset mixed \
-    --concurrency 1,2,4,8 --prompts-per-concurrency 8 --min-prompts 8 --max-tokens 128 --rounds 2 \
-    --configs none,goodput,per-request --result-file results/sweep_mixed.json --plot results/sweep_mixed.png \
-    2>&1 | grep -v "$QUIET" | tee results/sweep_mixed.log
-$D bench rollout --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset mtbench \
-    --num-prompts 16 --lengths longtail --median-tokens 48 --max-tokens 192 --rounds 1 \
-    --result-file results/bench_rollout.json --plot results/bench_rollout.png 2>&1 | grep -v "$QUIET" \
-    | tee results/bench_rollout.log
-$D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset mtbench \
-    --concurrency 1,2,4,8 --prompts-per-concurrency 8 --min-prompts 8 --max-tokens 128 --rounds 2 \
-    --configs none,K=1,K=3,per-request --result-file results/sweep_cross.json --plot results/sweep_cross.png \
-    2>&1 | grep -v "$QUIET" | tee results/sweep_cross.log
+SWEEP="--concurrency 1,2,4,8 --prompts-per-concurrency 8 --min-prompts 8 --max-tokens 128 --rounds 2"
+
+profile() {
+    $D profile --model $MODEL --speculative-config "$SPEC" --dataset humaneval --batch-sizes 1,2,4,8 \
+        --rounds 2 --num-prompts 8 --max-tokens 64 --output $PROFILE \
+        --plot results/goodput_1thread_humaneval.png 2>&1 | grep -v "$QUIET" | tee results/profile_1thread.log
+}
+sweep_mixed() {
+    $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset mixed $SWEEP \
+        --configs none,goodput,per-request --result-file results/sweep_mixed.json \
+        --plot results/sweep_mixed.png 2>&1 | grep -v "$QUIET" | tee results/sweep_mixed.log
+}
+rollout() {
+    $D bench rollout --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset mtbench \
+        --num-prompts 16 --lengths longtail --median-tokens 48 --max-tokens 192 --rounds 1 \
+        --result-file results/bench_rollout.json --plot results/bench_rollout.png 2>&1 \
+        | grep -v "$QUIET" | tee results/bench_rollout.log
+}
+sweep_cross() {
+    $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset mtbench $SWEEP \
+        --configs none,K=1,K=3,goodput,per-request --result-file results/sweep_cross.json \
+        --plot results/sweep_cross.png 2>&1 | grep -v "$QUIET" | tee results/sweep_cross.log
+}
+for step in ${STEPS:-profile sweep_mixed rollout sweep_cross}; do
+    "$step"
+done
