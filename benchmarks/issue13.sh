@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# The issue-13 figures (results/RESULTS.md, "K where the seeds need it"), on one pinned core
-# (taskset -c 0, one torch thread: the machine's other core was serving other work): a HumanEval
-# profile at one thread, then the mixed-traffic sweep (per-request K beside the batch-level goodput
-# policy), the RL-rollout tail, and the cross-dataset sweep (profiled on HumanEval, run on MT-Bench).
-# About 80 minutes on the project's CPU; STEPS="rollout sweep_cross" runs some of them.
+# The issue-13 figures (results/RESULTS.md, "K where the seeds need it"): a HumanEval profile, the
+# mixed-traffic sweep (per-request K beside the batch-level goodput policy), the RL-rollout tail,
+# and the cross-dataset sweep (profiled on HumanEval, run on MT-Bench).
+# THREADS=1 (the default) runs on one pinned core with one torch thread and its own profile (as the
+# profile and mixed sweep were run, while the other core served other work); THREADS=2 runs on
+# both cores with the 2-thread profile results/profile_qwen_pair_humaneval.json (as the rollout and
+# cross-dataset sweep were run). STEPS="rollout sweep_cross" runs some steps. About an hour.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=1
-D="taskset -c 0 .venv/bin/dynaspec"
 MODEL=qwen2.5-coder-1.5b-instruct
 SPEC='{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "draft_vocab_size": 32768, "num_speculative_tokens": 5}'
-PROFILE=results/profile_1thread_humaneval.json
+if [ "${THREADS:-1}" = 1 ]; then
+    export OMP_NUM_THREADS=1
+    D="taskset -c 0 .venv/bin/dynaspec"
+    PROFILE=results/profile_1thread_humaneval.json
+else
+    D=".venv/bin/dynaspec"
+    PROFILE=results/profile_qwen_pair_humaneval.json
+fi
 QUIET='it/s]\|s/it]\|part/s]\|s/part]'
 SWEEP="--concurrency 1,2,4,8 --prompts-per-concurrency 8 --min-prompts 8 --max-tokens 128 --rounds 2"
 
