@@ -46,10 +46,13 @@ def test_curve_grows_with_load_and_unknown_times_stop_it():
     assert ms_per_token(lambda bs, k: 0.0, ALPHA, 4, 0, 8) is None  # zero times never divide
 
 
-def test_proxy_curve_counts_rows_per_token():
-    assert proxy_curve(load=1, k=0, acceptance_len=1.0, horizon=3) == [2.0, 3.0, 4.0]
-    assert proxy_curve(load=0, k=3, acceptance_len=2.0, horizon=1) == [2.0]
-    assert proxy_curve(load=0, k=0, acceptance_len=0.0, horizon=1) == [1.0]  # no data: AL taken as 1
+def test_proxy_curve_counts_the_requests_sharing_the_replica():
+    assert proxy_curve(load=1, horizon=3) == [2.0, 3.0, 4.0]
+    assert proxy_curve(load=0, horizon=1) == [1.0]
+    # an idle replica always ranks before a busy one (whatever K either ran last)
+    idle = Candidate("idle", proxy_curve(0), routed_since=0)
+    busy = Candidate("busy", proxy_curve(5), routed_since=0)
+    assert rank([busy, idle]) == ["idle", "busy"]
 
 
 def test_predicted_at_extrapolates_past_the_reported_curve():

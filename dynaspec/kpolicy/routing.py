@@ -65,12 +65,13 @@ def prediction_curve(
     return out
 
 
-def proxy_curve(load: int, k: int, acceptance_len: float, horizon: int = PREDICTION_HORIZON) -> list[float]:
-    """Without a goodput model (fixed K, a table, no speculation): a unitless proxy, the rows a step
-    verifies, (L + 1)(K + 1), per token a request gets from it, AL. Comparable between replicas of
-    one deployment (they share one configuration), not a time."""
-    al = acceptance_len if acceptance_len >= 1 else 1.0
-    return [(load + 1 + extra) * (k + 1) / al for extra in range(horizon)]
+def proxy_curve(load: int, horizon: int = PREDICTION_HORIZON) -> list[float]:
+    """Without a goodput model (fixed K, a table, no speculation): a unitless proxy, the requests
+    one more would share the replica with, L + 1. Comparable between replicas of one deployment
+    (they share one configuration), not a time. (The last step's K is no part of it: an idle
+    replica's K is stale, and under a table K falls as load rises, which would rank a busy replica
+    above an idle one.)"""
+    return [float(load + 1 + extra) for extra in range(horizon)]
 
 
 def predicted_at(curve: Sequence[float], extra: int) -> float:

@@ -93,7 +93,7 @@ class EngineReplica:
             curve = []
         proxy = not curve
         if proxy:
-            curve = proxy_curve(load, k, spec["acceptance_length"] if spec else 1.0)
+            curve = proxy_curve(load)
         return ReplicaReport(
             replica=self.replica_id,
             time=time.time(),
