@@ -19,6 +19,12 @@ $DS bench sweep --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC \
     --profile results/profile_qwen_pair_humaneval.json --dataset humaneval --concurrency 1,2,4,8,16 \
     --prompts-per-concurrency 4 --min-prompts 16 --max-tokens 32 --rounds 2 \
     --result-file results/sweep_quantized.json --plot results/sweep_quantized.png 2>&1 | tee results/sweep_quantized.log
+# issue 13: per-request K on mixed traffic, the rollout tail, cross-dataset (its own script: ~1 h)
+THREADS=1 STEPS="profile sweep_mixed" bash benchmarks/issue13.sh
+THREADS=2 STEPS="rollout sweep_cross" bash benchmarks/issue13.sh
+.venv/bin/python benchmarks/plot_k_choice.py results/profile_qwen_pair_humaneval.json docs/k_choice.png
+# issue 14: replicas behind the router, simulated over the profile
+$DS bench replicas-sim 2>&1 | tee results/replicas_sim.log
 # serving: a real server with speculation, and the streaming client against it
 $DS serve --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC --port 8011 > results/serve_server.log 2>&1 &
 SERVER=$!
