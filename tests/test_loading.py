@@ -33,10 +33,7 @@ transformers = pytest.importorskip("transformers")
 MULTIBYTE_TEXT = "héllo 🙂 wörld, 你好！ naïve ✓"
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    """Every test gets its own empty dynaspec cache: nothing here may touch the real one."""
-    monkeypatch.setenv(packs.CACHE_ENV, str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # every test gets its own empty cache
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from dynaspec import SamplingParams
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.engine.kv_cache import allocate_kv_cache
 from dynaspec.engine.runner import TokenRun
-from dynaspec.models import packs
 from dynaspec.models.attention import build_attention_metadata
 from dynaspec.models.build import ConcatLinear, QuantEmbedding
 from dynaspec.models.loader import load_model, resolve_model
@@ -39,9 +38,7 @@ TYPES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(packs.CACHE_ENV, str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # every test gets its own empty cache
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import platform
@@ -27,6 +28,11 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "command": " ".join(sys.argv),
     }
+
+
+def command_args(args: argparse.Namespace) -> dict[str, Any]:
+    """A benchmark's command-line arguments, as its JSON result records them."""
+    return {k: v for k, v in vars(args).items() if k != "func"}
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

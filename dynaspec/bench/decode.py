@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from dynaspec.bench.common import format_table, write_result
+from dynaspec.bench.common import command_args, format_table, write_result
 
 
 def add_parser(sub) -> None:
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         args.result_file,
         {
             "benchmark": "decode",
-            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "args": command_args(args),
             "quantization": engine.quantization,
             "rows": records,
         },

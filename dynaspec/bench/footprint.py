@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from dynaspec.bench.common import format_table, write_result
+from dynaspec.bench.common import command_args, format_table, write_result
 
 PROMPT = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
 
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         args.result_file,
         {
             "benchmark": "footprint",
-            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "args": command_args(args),
             "rows": records,
             "cache_bytes": disk,
         },

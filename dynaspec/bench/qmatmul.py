@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from dynaspec.bench.common import format_table, write_result
+from dynaspec.bench.common import command_args, format_table, write_result
 
 # (out, in) of the Qwen2.5-Coder-1.5B linear layers
 SHAPES = {
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         args.result_file,
         {
             "benchmark": "qmatmul",
-            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "args": command_args(args),
             "kernel": kernel_error() or "built",
             "results": records,
         },

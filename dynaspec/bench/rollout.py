@@ -17,7 +17,7 @@ import math
 import random
 import time
 
-from dynaspec.bench.common import DYNAMIC_CONFIGS, format_table, k_policies, write_result
+from dynaspec.bench.common import DYNAMIC_CONFIGS, command_args, format_table, k_policies, write_result
 from dynaspec.engine.args import add_engine_args
 
 
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         args.result_file,
         {
             "benchmark": "rollout",
-            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "args": command_args(args),
             "lengths": caps,
             "rows": records,
         },

@@ -12,7 +12,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from dynaspec.bench.common import write_result
+from dynaspec.bench.common import command_args, write_result
 
 
 def add_parser(sub) -> None:
@@ -232,6 +232,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts: must be >= 1")
     report = asyncio.run(_bench(args))
     print(format_report(report))
-    settings = {k: (str(v) if v == float("inf") else v) for k, v in vars(args).items() if k != "func"}
+    settings = {k: (str(v) if v == float("inf") else v) for k, v in command_args(args).items()}
     write_result(args.result_file, {"benchmark": "serve", "args": settings, "result": report})
     return 0 if report["successful_requests"] else 1

@@ -11,7 +11,7 @@ import argparse
 import gc
 import time
 
-from dynaspec.bench.common import format_table, write_result
+from dynaspec.bench.common import command_args, format_table, write_result
 
 
 def add_parser(sub) -> None:
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         args.result_file,
         {
             "benchmark": "spec",
-            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "args": command_args(args),
             "draft_config": draft_spec,
             "rows": records,
         },

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from dynaspec.bench.common import DYNAMIC_CONFIGS, k_policies
+from dynaspec.bench.common import DYNAMIC_CONFIGS, command_args, k_policies
 from dynaspec.engine.args import add_engine_args
 
 TABLE_HEADER = (
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
             )  # partial, in case the run is cut
     results = list(pooled.values())
     report = summarize(results, configs, concurrencies, args.temperature == 0)
-    report["command_args"] = {k: v for k, v in vars(args).items() if k != "func"}
+    report["command_args"] = command_args(args)
     report["profile_table"] = table
     print(format_report(report))
     if args.result_file:
@@ -381,11 +381,7 @@ def plot_sweep(report: dict, path: str) -> None:
     for name in configs:
         rows = sorted((r for r in report["rows"] if r["config"] == name), key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in rows]
-        style = (
-            dict(linewidth=2.5, color={"goodput": "black", "per-request": "crimson"}[name])
-            if name in DYNAMIC_CONFIGS
-            else {}
-        )
+        style = dict(linewidth=2.5, color=DYNAMIC_COLOURS[name]) if name in DYNAMIC_COLOURS else {}
         ys = [r["output_tokens_per_s"] for r in rows]
         spread = [
             [y - min(r.get("tokens_per_s_by_round") or [y]) for y, r in zip(ys, rows)],

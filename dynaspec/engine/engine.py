@@ -134,15 +134,15 @@ class Engine:
         self._recordings: list[Recording] = []  # open ``recording()`` blocks
         self.device = device
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._reset_counters()
         spec = config.speculative_config
         self._k_policy: KPolicy | None = None
         if spec is not None and spec.dynamic_config_path == AUTO:  # profile this engine on first use
-            self._reset_counters()
             self._k_policy = FixedK(spec.num_speculative_tokens or AUTO_MAX_K)
             self._k_policy = make_policy(spec, auto_profile(self, spec))
+            self._reset_counters()  # the profiling steps are not the user's
         elif spec is not None:
             self._k_policy = make_policy(spec)
-        self._reset_counters()
 
     def _reset_counters(self) -> None:
         """Statistics, request ids and seeds start afresh (after the engine's own profiling)."""

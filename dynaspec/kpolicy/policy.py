@@ -393,7 +393,6 @@ class GoodputK:
         self.calibration = ConfidenceCalibration()
         self.load = 0  # the load of the last choice (for the confidence stop's break-even)
         self.num_withheld = 0  # request-steps kept from drafting because their catch-up would not pay
-        self.mean_k = 0.0  # mean K over the decodes of the last choice
 
     def itl(self, batch_size: int, k: int) -> float | None:
         """ITL(bs, K) in ms: the profile's, times the live drift; the cost model's alone off the grid."""
@@ -421,7 +420,8 @@ class GoodputK:
         prefix = [0.0]
         for i in order:
             prefix.append(prefix[-1] + cost[i])
-        scores = self._scores(bs, alpha, prefix)  # {(k, n): goodput}
+        plain = self.itl(bs, 0)
+        scores = self._scores(bs, plain, alpha, prefix)  # {(k, n): goodput}
         wanted = max(scores, key=lambda kn: (scores[kn], -kn[0], kn[1]))[0] if scores else 0
         k = self.hysteresis.update(wanted)
         n = (
@@ -432,7 +432,6 @@ class GoodputK:
         drafts = [0] * bs
         for i in order[:n]:
             drafts[i] = k if candidates[i].decoding else 0
-        plain = self.itl(bs, 0)
         if self.per_request and self.max_k and plain:
             drafts = refine_drafts(
                 drafts,
@@ -446,7 +445,6 @@ class GoodputK:
             k = max(drafts)
         num_decoding = sum(c.decoding for c in candidates)
         self.num_withheld += num_decoding - sum(d > 0 for d in drafts) if k else 0
-        self.mean_k = sum(drafts) / num_decoding if num_decoding else 0.0
         if _log_change(self.k_by_batch_size, bs, k, "goodput"):
             log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in alpha))
         return k, drafts
@@ -456,8 +454,10 @@ class GoodputK:
         hi, lo = self.itl(rows, j + 1), self.itl(rows, j)
         return max(0.0, hi - lo) if hi is not None and lo is not None else float("inf")
 
-    def _scores(self, bs: int, alpha: list[float], prefix: list[float]) -> dict[tuple[int, int], float]:
-        plain = self.itl(bs, 0)
+    def _scores(
+        self, bs: int, plain: float | None, alpha: list[float], prefix: list[float]
+    ) -> dict[tuple[int, int], float]:
+        """Goodput of every (K, n first requests) over a plain step of ``plain`` ms (None: unknown)."""
         if plain is None:
             return {}
         scores = {(0, 0): bs / plain}
