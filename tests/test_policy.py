@@ -81,6 +81,17 @@ def test_acceptance_estimate_keeps_prior_shape_above_observed_positions():
     assert rates[1] == pytest.approx(0.25) and rates[2] == pytest.approx(0.125)
 
 
+def test_statistics_tell_acceptance_per_proposed_and_per_asked_position():
+    # an n-gram proposer asked for 2 tokens proposes for one request of two
+    from dynaspec.spec_decode.stats import SpecStats
+
+    stats = SpecStats()
+    stats.observe(step_record([2, 0], [1, 0], asked=[2, 2]))
+    assert stats.acceptance_rate_per_pos == [1.0, 0.0]
+    assert stats.acceptance_rate_per_asked_pos == [0.5, 0.0]
+    assert stats.to_dict()["acceptance_rate_per_asked_pos"] == [0.5, 0.0]
+
+
 def test_hysteresis_holds_k_across_a_boundary_flip():
     h = Hysteresis(3)
     assert h.update(4) == 4
@@ -205,6 +216,9 @@ def test_request_rates_start_at_the_batch_and_follow_the_request():
     assert est.counts == {"a": (4.0, 4.0), "b": (1.0, 2.0)}  # c drafted nothing: no record
     est.observe(["a"], [3, 0][:1], [0])
     assert est.counts["a"] == pytest.approx((3.6, 4.6))
+    # a request that drafts nothing in a step decays towards the batch's rates
+    est.observe(["a", "b"], [0, 0], [0, 0])
+    assert est.counts["a"] == pytest.approx((3.24, 4.14)) and est.counts["b"] == pytest.approx((0.9, 1.8))
     est.release(["a"])
     assert "a" not in est.counts and est.rates("a", batch) == pytest.approx(batch)
 

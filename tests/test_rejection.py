@@ -172,3 +172,18 @@ def test_mixed_k_and_confidence_stops_keep_the_target_distribution(stop_on_token
         assert _chi2(second, p[1]) > CHI2_CRIT
     else:
         assert _chi2(second, p[1]) < CHI2_CRIT
+
+
+def test_sample_from_follows_the_distribution_and_never_draws_a_zero():
+    from dynaspec.engine.sampler import sample_from
+
+    probs = (
+        torch.tensor([0.0, 0.3, 0.0, 0.05, 0.45, 0.2, 0.0]) * 7.0
+    )  # unnormalized, zeros inside and at the end
+    gen = torch.Generator().manual_seed(0)
+    counts = np.bincount([sample_from(probs, gen) for _ in range(N)], minlength=len(probs))
+    # 3 degrees of freedom (4 tokens of positive probability): critical value 16.27 at p = 0.001
+    assert _chi2(counts, (probs / probs.sum()).numpy()) < 16.27
+    one = torch.zeros(151936)
+    one[-1] = 1.0  # the last token only: found, not clamped past the end
+    assert sample_from(one, gen) == 151935

@@ -138,7 +138,9 @@ class AcceptanceEstimate:
         self.accepted = [0.0] * max_k
 
     def observe(self, draft_lens: Sequence[int], num_accepted: Sequence[int]) -> None:
-        """One step: each decode's draft length and accepted draft tokens."""
+        """One step: each decode's draft length and accepted draft tokens (α_i is per position
+        proposed: a proposer that proposes nothing for a request, as an n-gram without a match,
+        costs that request no verification either)."""
         self.drafted = [d * self.decay for d in self.drafted]
         self.accepted = [a * self.decay for a in self.accepted]
         for n, acc in zip(draft_lens, num_accepted):
@@ -205,13 +207,22 @@ class RequestAcceptance:
         self.counts: dict[str, tuple[float, float]] = {}  # request id -> (accepted, trials)
 
     def observe(
-        self, request_ids: Sequence[str], draft_lens: Sequence[int], num_accepted: Sequence[int]
+        self,
+        request_ids: Sequence[str],
+        draft_lens: Sequence[int],
+        num_accepted: Sequence[int],
     ) -> None:
+        """One step. A request that drafted gains trials: the positions verification reached
+        (accepted ones and the first rejected). A request that did not draft decays too, so one
+        withheld for a poor record drifts back to the batch's rates and is tried again (its record
+        would otherwise never change)."""
         for rid, n, acc in zip(request_ids, draft_lens, num_accepted):
             if n == 0:
+                if rid in self.counts:
+                    accepted, trials = self.counts[rid]
+                    self.counts[rid] = (self.decay * accepted, self.decay * trials)
                 continue
             accepted, trials = self.counts.get(rid, (0.0, 0.0))
-            # trials: positions verification reached (accepted ones, and the first rejected if any)
             self.counts[rid] = (self.decay * accepted + acc, self.decay * trials + min(n, acc + 1))
 
     def release(self, request_ids: Sequence[str]) -> None:

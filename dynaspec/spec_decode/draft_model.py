@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from dynaspec.engine.kv_cache import kv_bytes_per_token
 from dynaspec.engine.runner import ModelRunner, TokenRun
-from dynaspec.engine.sampler import SamplingTensors, apply_penalties, processed_probs
+from dynaspec.engine.sampler import SamplingTensors, apply_penalties, processed_probs, sample_from
 from dynaspec.engine.types import DraftPass, Drafts, SchedulePlan, StepResult
 from dynaspec.models.build import effective_quantization
 from dynaspec.models.loader import compute_dtypes, load_model, resolve_model
@@ -113,7 +113,7 @@ class DraftModelProposer(Proposer):
                 top = q.max(-1)
                 for row, i in enumerate(active):
                     if sampling.temperature[i] > 0:
-                        tokens[i, j] = torch.multinomial(q[row], 1, generator=sampling.generators[i])[0]
+                        tokens[i, j] = sample_from(q[row], sampling.generators[i])
                     else:
                         tokens[i, j] = top.indices[row]
                 top_p = top.values.tolist()

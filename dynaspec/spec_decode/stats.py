@@ -14,6 +14,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [max K seen] accepted at position i+1
     drafted_per_pos: list[int] = field(default_factory=list)  # [max K seen] drafted at position i+1
+    asked_per_pos: list[int] = field(default_factory=list)  # [max K seen] asked for at position i+1
     steps_by_batch_size: dict[int, dict[int, int]] = field(default_factory=dict)  # bs -> K -> steps
 
     def observe(self, record: StepRecord) -> None:
@@ -22,7 +23,12 @@ class SpecStats:
         if plan.num_decodes:
             per_k = self.steps_by_batch_size.setdefault(plan.num_decodes, {})
             per_k[plan.chosen_k] = per_k.get(plan.chosen_k, 0) + 1
-        for n, accepted in zip(result.draft_lens, result.num_accepted):
+        for n, accepted, asked in zip(result.draft_lens, result.num_accepted, plan.k_caps):
+            asked = max(n, asked)
+            if len(self.asked_per_pos) < asked:
+                self.asked_per_pos += [0] * (asked - len(self.asked_per_pos))
+            for i in range(asked):
+                self.asked_per_pos[i] += 1
             if n == 0:
                 continue
             self.num_drafts += 1
@@ -50,6 +56,12 @@ class SpecStats:
         """Unconditional α_i: accepted at position i over drafts that reached position i."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
 
+    @property
+    def acceptance_rate_per_asked_pos(self) -> list[float]:
+        """Accepted at position i over steps that asked for position i: the proposer's yield, lower
+        than α_i where it proposes less than asked (an n-gram without a match, a confidence stop)."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.asked_per_pos)]
+
     def to_dict(self) -> dict:
         return {
             "num_drafts": self.num_drafts,
@@ -59,6 +71,7 @@ class SpecStats:
             "acceptance_length": round(self.acceptance_length, 4),
             "acceptance_rate_per_pos": [round(a, 4) for a in self.acceptance_rate_per_pos],
             "accepted_per_pos": list(self.accepted_per_pos),
+            "acceptance_rate_per_asked_pos": [round(a, 4) for a in self.acceptance_rate_per_asked_pos],
             "steps_by_batch_size": {
                 str(bs): {str(k): n for k, n in sorted(ks.items())}
                 for bs, ks in sorted(self.steps_by_batch_size.items())
