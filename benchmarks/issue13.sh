@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The issue-13 figures (results/RESULTS.md, "K where the seeds need it"): a HumanEval profile, the
 # mixed-traffic sweep (per-request K beside the batch-level goodput policy), the RL-rollout tail,
-# and the cross-dataset sweep (profiled on HumanEval, run on MT-Bench).
+# and the cross-dataset sweep (profiled on HumanEval, run on MT-Bench); rollout64, rollout_ngram and
+# sweep_mixed_t1 (run with THREADS=2; results/profile_ngram_auto.json is the n-gram profile that
+# `dynamic_config_path: "auto"` cached at 2 threads) came later.
 # THREADS=1 (the default) runs on one pinned core with one torch thread and its own profile (as the
 # profile and mixed sweep were run, while the other core served other work); THREADS=2 runs on
 # both cores with the 2-thread profile results/profile_qwen_pair_humaneval.json (as the rollout and
@@ -36,6 +38,24 @@ rollout() {
         --num-prompts 16 --lengths longtail --median-tokens 48 --max-tokens 192 --rounds 1 \
         --result-file results/bench_rollout.json --plot results/bench_rollout.png 2>&1 \
         | grep -v "$QUIET" | tee results/bench_rollout.log
+}
+rollout64() {  # the issue's default batch: 64 prompts, a longer tail (max 512 tokens)
+    $D bench rollout --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset mtbench \
+        --num-prompts 64 --lengths longtail --median-tokens 48 --max-tokens 512 --rounds 1 \
+        --result-file results/bench_rollout64.json --plot results/bench_rollout64.png 2>&1 \
+        | grep -v "$QUIET" | tee results/bench_rollout64.log
+}
+rollout_ngram() {  # n-gram drafting (the README's method) on code prompts, with its auto profile
+    $D bench rollout --model $MODEL --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}' \
+        --profile results/profile_ngram_auto.json --dataset humaneval \
+        --num-prompts 64 --lengths longtail --median-tokens 48 --max-tokens 512 --rounds 1 \
+        --result-file results/bench_rollout_ngram.json --plot results/bench_rollout_ngram.png 2>&1 \
+        | grep -v "$QUIET" | tee results/bench_rollout_ngram.log
+}
+sweep_mixed_t1() {  # the mixed stream sampled at temperature 1.0 (probabilistic verification)
+    $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset mixed $SWEEP \
+        --temperature 1.0 --configs none,goodput,per-request --result-file results/sweep_mixed_t1.json \
+        --plot results/sweep_mixed_t1.png 2>&1 | grep -v "$QUIET" | tee results/sweep_mixed_t1.log
 }
 sweep_cross() {
     $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset mtbench $SWEEP \
