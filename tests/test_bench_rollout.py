@@ -3,6 +3,8 @@ batch, the report holds the tail times and the per-step series, and the plot is 
 
 import json
 
+import pytest
+
 from dynaspec.cli import main
 from dynaspec.kpolicy.profile import Profile, derive_table, save_profile
 
@@ -43,3 +45,19 @@ def test_rollout_tiny(tmp_path, target_dir):
     assert ks[-1] == 2 and set(ks) <= {0, 2}  # 0 only in prefill-only steps, before any decode
     assert {s[2] for s in rows["none"]["rounds"][0]["series"]} == {0}
     assert plot.stat().st_size > 0
+    model = report["model"]["makespan_s"]  # the profile's prediction, with this run's acceptance
+    assert set(model) == {"none", "K=1", "K=2", "best K per batch size"}
+    assert model["best K per batch size"] <= min(model[c] for c in ("none", "K=1", "K=2")) + 1e-9
+
+
+def test_modelled_makespans_pick_k_by_batch_size():
+    from dynaspec.bench.rollout import modelled_makespans
+
+    # speculation pays alone (K=2 at batch 1) and costs at batch 8: the tail is where K rises
+    stats = {1: {0: 10.0, 1: 11.0, 2: 12.0}, 8: {0: 12.0, 1: 30.0, 2: 48.0}}
+    profile = Profile(2, [0.9, 0.8], stats)
+    lengths = [4] * 7 + [100]
+    out = modelled_makespans(lengths, profile, [0.9, 0.8], [1, 2])
+    assert out["none"] == pytest.approx((4 * 12.0 + 96 * 10.0) / 1000)  # 4 steps at 8, 96 alone
+    assert out["best K per batch size"] < min(out["none"], out["K=1"], out["K=2"])
+    assert modelled_makespans([], profile, [0.9, 0.8], [1])["none"] == 0.0

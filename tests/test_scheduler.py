@@ -4,7 +4,7 @@ import torch
 
 from dynaspec.engine.kv_cache import BlockAllocator
 from dynaspec.engine.request import Request
-from dynaspec.engine.scheduler import Scheduler
+from dynaspec.engine.scheduler import Scheduler, fit_drafts
 from dynaspec.sampling_params import SamplingParams
 
 
@@ -55,7 +55,28 @@ def test_k_is_asked_for_the_load_while_arrivals_are_admitted_a_budget_at_a_time(
         if chunk.completes:
             chunk.request.output_token_ids.append(7)
     second = scheduler.schedule(recorder)
-    assert len(second.decodes) == 2 and second.k_caps == [2, 2]
+    # 350 prompt tokens pending (r2's 50, 3 admissible waiting ones) exceed the 248 the decodes
+    # leave: drafts would take budget from prefill, so none are run
+    assert len(second.decodes) == 2 and second.k_caps == [0, 0]
     # shown: 2 decoding, then 1 still prefilling and 3 of the 5 waiting (6 = max_num_seqs in all)
     assert recorder.seen == [[True, True, False, False, False, False]]
     assert second.prefills[0].request.request_id == "r2"
+
+
+def test_drafts_yield_the_budget_to_pending_prefill_deepest_first():
+    assert fit_drafts([5, 2, 5, 0], 20) == [5, 2, 5, 0]  # they fit: unchanged
+    assert fit_drafts([5, 2, 5, 0], 7) == [2, 2, 3, 0]  # cut deepest first (ties: the earlier)
+    assert fit_drafts([3, 3], 0) == [0, 0] and fit_drafts([3], -5) == [0] and fit_drafts([], 4) == []
+    recorder = Recorder()
+    scheduler = Scheduler(BlockAllocator(1024, 16), max_num_seqs=8, max_num_batched_tokens=120)
+    for i in range(2):
+        scheduler.add(request(i, prompt_len=50))
+    for chunk in scheduler.schedule(recorder).prefills:
+        chunk.request.num_computed_tokens += chunk.num_tokens
+        chunk.request.output_token_ids.append(7)
+    scheduler.add(request(2, prompt_len=115))  # 115 pending: the 2 decodes' tokens leave 3 for drafts
+    plan = scheduler.schedule(recorder)
+    assert plan.k_caps == [1, 2] and plan.prefills[0].num_tokens == 115
+    scheduler.add(request(3, prompt_len=400))  # a burst: more pending than the budget holds
+    plan = scheduler.schedule(recorder)
+    assert plan.k_caps == [0, 0] and sum(c.num_tokens for c in plan.prefills) == 120 - 2

@@ -85,15 +85,51 @@ def rollout(engine, prompts: list, params: list) -> dict:
     series = []  # (seconds since start, running requests, K chosen, tokens generated so far)
     policy = engine.k_policy
     generated = engine.counters.num_generated_tokens
-    while engine.has_unfinished():
-        running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
-        outs = engine.step()
-        now = time.perf_counter() - start
-        k = policy.last_k if isinstance(policy, _Traced) else 0
-        series.append((round(now, 3), running, k, engine.counters.num_generated_tokens - generated))
-        finish += [now for o in outs if o.finished]
+    with engine.recording() as run:
+        while engine.has_unfinished():
+            running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+            outs = engine.step()
+            now = time.perf_counter() - start
+            k = policy.last_k if isinstance(policy, _Traced) else 0
+            series.append((round(now, 3), running, k, engine.counters.num_generated_tokens - generated))
+            finish += [now for o in outs if o.finished]
     tokens = sum(len(r.output_token_ids) for r in requests)
-    return {"finish": sorted(finish), "series": series, "tokens": tokens}
+    alpha = run.spec.acceptance_rate_per_pos
+    return {"finish": sorted(finish), "series": series, "tokens": tokens, "acceptance_per_pos": alpha}
+
+
+def modelled_makespans(
+    lengths: list[int], profile, alpha: list[float], fixed_ks: list[int]
+) -> dict[str, float]:
+    """What the profile says the batch's decode takes (seconds; prefill left out): every request
+    advances AL(K) tokens a step that costs ITL(active requests, K) (steps counted fractionally,
+    as expectations), for no speculation, each fixed K, and the best K for each batch size
+    (``best K per batch size``: by this model no policy that picks one K per step from the load
+    does better, since between two finishes the batch size is fixed and the best K drains it
+    fastest). ``alpha``: acceptance per position."""
+    from dynaspec.kpolicy.profile import acceptance_length, argmax_goodput, interpolate_itl, smooth_itl
+
+    grid = smooth_itl(profile.batch_stats)
+    max_k = min(profile.max_num_speculative_tokens, len(alpha))
+
+    def drain(choose) -> float:
+        left, ms = [float(n) for n in lengths if n > 0], 0.0
+        while left:
+            k = choose(len(left))
+            itl = interpolate_itl(grid, len(left), k)
+            if itl is None:
+                return float("nan")
+            shortest = min(left)  # steps until the next request finishes: shortest / AL(K)
+            ms += itl * shortest / acceptance_length(alpha, k)
+            left = [n - shortest for n in left if n - shortest > 1e-9]
+        return ms / 1000
+
+    out = {"none": drain(lambda bs: 0)}
+    out |= {f"K={k}": drain(lambda bs, k=k: k) for k in fixed_ks if k <= max_k}
+    out["best K per batch size"] = drain(
+        lambda bs: argmax_goodput(alpha, lambda k: interpolate_itl(grid, bs, k), max_k)
+    )
+    return out
 
 
 def _rate(series: list, window_s: float) -> list[float]:
@@ -189,6 +225,26 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         row.append(row[1] / best_fixed)
     print(format_table(["config", "makespan s", "50% s", "90% s", "tok/s", "vs best fixed"], rows))
+    model = None
+    deepest = f"K={max(fixed_ks)}" if fixed_ks else None
+    if profile is not None and deepest in results:
+        # the acceptance this batch showed at the deepest fixed K, every position drafted
+        alpha = results[deepest][0]["acceptance_per_pos"]
+        if alpha:
+            model = {"acceptance_per_pos": [round(a, 4) for a in alpha]}
+            model["makespan_s"] = modelled_makespans(caps, profile, alpha, fixed_ks)
+            fixed = min(v for name, v in model["makespan_s"].items() if name.startswith(("none", "K=")))
+            print(
+                f"\nmodelled decode makespans (the profile's ITL, the acceptance of {deepest} here: "
+                + " ".join(f"{a:.2f}" for a in alpha)
+                + "; prefill left out):"
+            )
+            print(
+                format_table(
+                    ["config", "makespan s", "vs best fixed"],
+                    [[name, v, v / fixed] for name, v in model["makespan_s"].items()],
+                )
+            )
     write_result(
         args.result_file,
         {
@@ -196,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
             "args": command_args(args),
             "lengths": caps,
             "rows": records,
+            "model": model,
         },
     )
     if args.plot:

@@ -2,7 +2,11 @@
 
 The scheduler owns requests and KV blocks, never tensors. Decoding requests run first, each with
 room reserved for K draft tokens; the rest of the token budget goes to prefill chunks, so a long
-prompt never stalls running decodes for more than one chunk. When blocks run out, the newest
+prompt never stalls running decodes for more than one chunk. Drafts never take budget from
+pending prefill: when the prompts waiting or being prefilled need more than the decodes' own
+tokens leave of the budget (a burst, such as a rollout's start), the drafts are cut to what is
+left, deepest first. A draft row is worth at most one token and costs what a prompt token costs,
+and a prompt held back delays every token of its request. When blocks run out, the newest
 running request is preempted (its blocks freed, recomputed later).
 """
 
@@ -63,7 +67,9 @@ class Scheduler:
         chosen_k, wanted, min_confidence = 0, [0] * len(decodes), 0.0
         if k_policy is not None and decodes:
             chosen_k, wanted = k_policy.choose(self._load(decodes))
-            wanted = wanted[: len(decodes)]
+            wanted = fit_drafts(
+                wanted[: len(decodes)], self.max_num_batched_tokens - len(decodes) - self._backlog()
+            )
             min_confidence = k_policy.min_draft_confidence()
         k_caps: dict[str, int] = {}
         for r, want in zip(list(decodes), wanted):
@@ -106,6 +112,12 @@ class Scheduler:
             min_draft_confidence=min_confidence,
             released=released,
         )
+
+    def _backlog(self) -> int:
+        """Prompt tokens waiting for prefill: running requests' rest and the admissible waiting ones'."""
+        rest = sum(r.num_tokens - r.num_computed_tokens for r in self.running if not r.is_decoding)
+        room = max(0, self.max_num_seqs - len(self.running))
+        return rest + sum(r.num_tokens for r in itertools.islice(self.waiting, room))
 
     def _load(self, decodes: list[Request]) -> list[DraftCandidate]:
         """The load K is chosen for: the decodes first, then the requests that will share their steps
@@ -200,3 +212,15 @@ def _output(
         new_logprobs=new_logprobs,
         prompt_logprobs=r.prompt_logprobs if finished else None,
     )
+
+
+def fit_drafts(wanted: list[int], room: int) -> list[int]:
+    """Draft lengths cut to at most ``room`` tokens in all, the deepest first (each request keeps
+    as many as it can of what it wanted; ties: the earlier first); unchanged when they fit."""
+    caps = list(wanted)
+    excess = sum(caps) - max(0, room)
+    while excess > 0:
+        deepest = max(range(len(caps)), key=caps.__getitem__)
+        caps[deepest] -= 1
+        excess -= 1
+    return caps
