@@ -61,3 +61,10 @@ def test_modelled_makespans_pick_k_by_batch_size():
     assert out["none"] == pytest.approx((4 * 12.0 + 96 * 10.0) / 1000)  # 4 steps at 8, 96 alone
     assert out["best K per batch size"] < min(out["none"], out["K=1"], out["K=2"])
     assert modelled_makespans([], profile, [0.9, 0.8], [1])["none"] == 0.0
+
+
+def test_rate_spans_at_least_the_window_so_long_steps_show():
+    from dynaspec.bench.rollout import _rate
+
+    series = [(1.0, 4, 0, 10), (4.0, 4, 0, 40), (4.5, 3, 0, 50)]  # the second step took 3 s > 2 s
+    assert _rate(series, 2.0) == pytest.approx([10.0, 10.0, 40 / 3.5])

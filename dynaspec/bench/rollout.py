@@ -133,12 +133,14 @@ def modelled_makespans(
 
 
 def _rate(series: list, window_s: float) -> list[float]:
-    """Tokens per second over the ``window_s`` before each step (from the cumulative count)."""
+    """Tokens per second over the ``window_s`` before each step (from the cumulative count),
+    measured from the last step that ended before the window, so a step longer than the window
+    shows its own rate rather than 0."""
     out, lo = [], 0
     for t, *_, tokens in series:
         while series[lo][0] < t - window_s:
             lo += 1
-        t0, tokens0 = (series[lo][0], series[lo][-1]) if lo else (0.0, 0)
+        t0, tokens0 = (series[lo - 1][0], series[lo - 1][-1]) if lo else (0.0, 0)
         out.append((tokens - tokens0) / (t - t0) if t > t0 else 0.0)
     return out
 
