@@ -21,7 +21,7 @@ $DS bench sweep --model qwen2.5-coder-1.5b-instruct --speculative-config $SPEC \
     --result-file results/sweep_quantized.json --plot results/sweep_quantized.png 2>&1 | tee results/sweep_quantized.log
 # issue 13: per-request K on mixed traffic, the rollout tail, cross-dataset (its own script: ~1 h)
 THREADS=1 STEPS="profile sweep_mixed" bash benchmarks/issue13.sh
-THREADS=2 STEPS="rollout sweep_cross" bash benchmarks/issue13.sh
+THREADS=2 STEPS="rollout sweep_cross rollout64 rollout_ngram sweep_mixed_t1" bash benchmarks/issue13.sh
 .venv/bin/python benchmarks/plot_k_choice.py results/profile_qwen_pair_humaneval.json docs/k_choice.png
 # issue 14: replicas behind the router, simulated over the profile
 $DS bench replicas-sim 2>&1 | tee results/replicas_sim.log
