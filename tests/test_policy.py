@@ -90,6 +90,9 @@ def test_statistics_tell_acceptance_per_proposed_and_per_asked_position():
     assert stats.acceptance_rate_per_pos == [1.0, 0.0]
     assert stats.acceptance_rate_per_asked_pos == [0.5, 0.0]
     assert stats.to_dict()["acceptance_rate_per_asked_pos"] == [0.5, 0.0]
+    stats.observe(step_record([0], [0], asked=[3]))  # a position asked for and never proposed counts
+    assert stats.acceptance_rate_per_pos == [1.0, 0.0]
+    assert stats.acceptance_rate_per_asked_pos == [1 / 3, 0.0, 0.0]
 
 
 def test_hysteresis_holds_k_across_a_boundary_flip():

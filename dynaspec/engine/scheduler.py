@@ -66,10 +66,10 @@ class Scheduler:
         decodes = [r for r in self.running if r.is_decoding]
         chosen_k, wanted, min_confidence = 0, [0] * len(decodes), 0.0
         if k_policy is not None and decodes:
-            chosen_k, wanted = k_policy.choose(self._load(decodes))
-            wanted = fit_drafts(
-                wanted[: len(decodes)], self.max_num_batched_tokens - len(decodes) - self._backlog()
-            )
+            pending = self._pending()
+            chosen_k, wanted = k_policy.choose(self._load(decodes + pending))
+            backlog = sum(r.num_tokens - r.num_computed_tokens for r in pending)  # prompt tokens to prefill
+            wanted = fit_drafts(wanted[: len(decodes)], self.max_num_batched_tokens - len(decodes) - backlog)
             min_confidence = k_policy.min_draft_confidence()
         k_caps: dict[str, int] = {}
         for r, want in zip(list(decodes), wanted):
@@ -113,18 +113,15 @@ class Scheduler:
             released=released,
         )
 
-    def _backlog(self) -> int:
-        """Prompt tokens waiting for prefill: running requests' rest and the admissible waiting ones'."""
-        rest = sum(r.num_tokens - r.num_computed_tokens for r in self.running if not r.is_decoding)
-        room = max(0, self.max_num_seqs - len(self.running))
-        return rest + sum(r.num_tokens for r in itertools.islice(self.waiting, room))
-
-    def _load(self, decodes: list[Request]) -> list[DraftCandidate]:
-        """The load K is chosen for: the decodes first, then the requests that will share their steps
-        before they can draft (those prefilling, and waiting ones up to max_num_seqs)."""
+    def _pending(self) -> list[Request]:
+        """Requests whose prompts await prefill: those prefilling, and waiting ones up to max_num_seqs."""
         room = max(0, self.max_num_seqs - len(self.running))
         prefilling = [r for r in self.running if not r.is_decoding]
-        load = decodes + prefilling + list(itertools.islice(self.waiting, room))  # no copy of the whole queue
+        return prefilling + list(itertools.islice(self.waiting, room))  # no copy of the whole queue
+
+    def _load(self, load: list[Request]) -> list[DraftCandidate]:
+        """The load K is chosen for: the decodes first, then the requests that will share their steps
+        before they can draft (``_pending``)."""
         return [
             DraftCandidate(
                 unseen_tokens=self.unseen_tokens(r),

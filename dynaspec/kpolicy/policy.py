@@ -207,10 +207,7 @@ class RequestAcceptance:
         self.counts: dict[str, tuple[float, float]] = {}  # request id -> (accepted, trials)
 
     def observe(
-        self,
-        request_ids: Sequence[str],
-        draft_lens: Sequence[int],
-        num_accepted: Sequence[int],
+        self, request_ids: Sequence[str], draft_lens: Sequence[int], num_accepted: Sequence[int]
     ) -> None:
         """One step. A request that drafted gains trials: the positions verification reached
         (accepted ones and the first rejected). A request that did not draft decays too, so one

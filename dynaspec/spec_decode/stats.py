@@ -25,8 +25,7 @@ class SpecStats:
             per_k[plan.chosen_k] = per_k.get(plan.chosen_k, 0) + 1
         for n, accepted, asked in zip(result.draft_lens, result.num_accepted, plan.k_caps):
             asked = max(n, asked)
-            if len(self.asked_per_pos) < asked:
-                self.asked_per_pos += [0] * (asked - len(self.asked_per_pos))
+            _pad(self.asked_per_pos, asked)
             for i in range(asked):
                 self.asked_per_pos[i] += 1
             if n == 0:
@@ -34,10 +33,8 @@ class SpecStats:
             self.num_drafts += 1
             self.num_draft_tokens += n
             self.num_accepted_tokens += accepted
-            if len(self.drafted_per_pos) < n:
-                grow = n - len(self.drafted_per_pos)
-                self.drafted_per_pos += [0] * grow
-                self.accepted_per_pos += [0] * grow
+            _pad(self.drafted_per_pos, n)
+            _pad(self.accepted_per_pos, n)
             for i in range(n):
                 self.drafted_per_pos[i] += 1
                 self.accepted_per_pos[i] += i < accepted
@@ -60,7 +57,8 @@ class SpecStats:
     def acceptance_rate_per_asked_pos(self) -> list[float]:
         """Accepted at position i over steps that asked for position i: the proposer's yield, lower
         than α_i where it proposes less than asked (an n-gram without a match, a confidence stop)."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.asked_per_pos)]
+        accepted = self.accepted_per_pos + [0] * (len(self.asked_per_pos) - len(self.accepted_per_pos))
+        return [a / d if d else 0.0 for a, d in zip(accepted, self.asked_per_pos)]
 
     def to_dict(self) -> dict:
         return {
@@ -77,3 +75,8 @@ class SpecStats:
                 for bs, ks in sorted(self.steps_by_batch_size.items())
             },
         }
+
+
+def _pad(counts: list[int], n: int) -> None:
+    """Grow a per-position count list with zeros to at least ``n`` positions."""
+    counts += [0] * (n - len(counts))
