@@ -62,6 +62,23 @@ sweep_cross() {
         --configs none,K=1,K=3,goodput,per-request --result-file results/sweep_cross.json \
         --plot results/sweep_cross.png 2>&1 | grep -v "$QUIET" | tee results/sweep_cross.log
 }
+rollout_code() {  # code prompts (where the pair accepts ~0.9 even sampled) and a longer tail (sigma 1.2)
+    $D bench rollout --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset humaneval \
+        --num-prompts 64 --lengths longtail --median-tokens 32 --length-sigma 1.2 --max-tokens 1024 \
+        --rounds 1 --result-file results/bench_rollout_code.json --plot results/bench_rollout_code.png 2>&1 \
+        | grep -v "$QUIET" | tee results/bench_rollout_code.log
+}
+profile_mtbench() {  # the reverse cross-dataset direction profiles on MT-Bench (both cores)
+    $D profile --model $MODEL --speculative-config "$SPEC" --dataset mtbench --batch-sizes 1,2,4,8,16 \
+        --rounds 2 --num-prompts 16 --max-tokens 96 --output results/profile_qwen_pair_mtbench.json \
+        --plot results/goodput_mtbench.png 2>&1 | grep -v "$QUIET" | tee results/profile_mtbench.log
+}
+sweep_cross_reverse() {  # profiled on MT-Bench, served HumanEval
+    $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile results/profile_qwen_pair_mtbench.json \
+        --dataset humaneval $SWEEP --configs none,K=1,K=3,K=5,goodput,per-request \
+        --result-file results/sweep_cross_reverse.json --plot results/sweep_cross_reverse.png 2>&1 \
+        | grep -v "$QUIET" | tee results/sweep_cross_reverse.log
+}
 for step in ${STEPS:-profile sweep_mixed rollout sweep_cross}; do
     "$step"
 done

@@ -68,3 +68,19 @@ def test_rate_spans_at_least_the_window_so_long_steps_show():
 
     series = [(1.0, 4, 0, 10), (4.0, 4, 0, 40), (4.5, 3, 0, 50)]  # the second step took 3 s > 2 s
     assert _rate(series, 2.0) == pytest.approx([10.0, 10.0, 40 / 3.5])
+
+
+def test_longtail_lengths_follow_sigma_and_seed():
+    import argparse
+
+    from dynaspec.bench.rollout import lengths_for
+
+    def draw(sigma, seed=0):
+        args = argparse.Namespace(
+            lengths="longtail", median_tokens=32, length_sigma=sigma, max_tokens=1024, rollout_seed=seed
+        )
+        return lengths_for(args, 64)
+
+    assert draw(0.0) == [32] * 64  # no spread: every request at the median
+    assert draw(1.2) == draw(1.2) and draw(1.2) != draw(1.2, seed=1)  # a seed fixes the draw
+    assert max(draw(1.2)) > max(draw(0.8)) and max(draw(1.2)) <= 1024  # a longer tail, capped

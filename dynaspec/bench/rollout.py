@@ -36,6 +36,12 @@ def add_parser(sub) -> None:
         help="eos: the model's own; longtail: per-request lengths from a log-normal (ignore EOS)",
     )
     p.add_argument("--median-tokens", type=int, default=48, help="longtail: the median output length")
+    p.add_argument(
+        "--length-sigma",
+        type=float,
+        default=0.8,
+        help="longtail: the log-normal's sigma (larger: a longer tail of a few long requests)",
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--fixed-ks", default="1,3,5")
     p.add_argument("--rounds", type=int, default=1)
@@ -72,7 +78,7 @@ def lengths_for(args: argparse.Namespace, n: int) -> list[int]:
         return [args.max_tokens] * n
     rng = random.Random(args.rollout_seed)
     return [
-        max(1, min(args.max_tokens, round(args.median_tokens * math.exp(rng.gauss(0.0, 0.8)))))
+        max(1, min(args.max_tokens, round(args.median_tokens * math.exp(rng.gauss(0.0, args.length_sigma)))))
         for _ in range(n)
     ]
 
@@ -158,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
     from dynaspec.sampling_params import SamplingParams
 
     check_at_least(("--num-prompts", args.num_prompts, 1), ("--rounds", args.rounds, 1))
+    if not args.length_sigma >= 0:
+        raise ValueError(f"--length-sigma: must be >= 0, got {args.length_sigma}")
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None:
         raise ValueError(
