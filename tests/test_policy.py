@@ -73,12 +73,29 @@ def test_goodput_k_moves_with_live_acceptance():
     assert policy.k_for_batch(1) == 4
 
 
-def test_acceptance_estimate_keeps_prior_shape_above_observed_positions():
+def test_acceptance_estimate_scales_the_profile_decline_above_observed_positions():
+    # with no traffic yet: the profile as it is
+    assert AcceptanceEstimate([0.8, 0.4, 0.2], 3).rates() == pytest.approx([0.8, 0.4, 0.2])
     est = AcceptanceEstimate([0.8, 0.4, 0.2], 3, prior_weight=0.0)
-    est.observe([1] * 10, [0] * 5 + [1] * 5)
-    rates = est.rates()
-    assert rates[0] == pytest.approx(0.5)
-    assert rates[1] == pytest.approx(0.25) and rates[2] == pytest.approx(0.125)
+    est.observe([1] * 10, [0] * 5 + [1] * 5)  # only position 0 drafted: half accepted, not 0.8
+    s = 0.5 / 0.8  # each of the profile's chances of i given i-1 (0.5) scaled as position 0 was
+    assert est.rates() == pytest.approx([0.5, 0.5 * 0.5 * s, 0.5 * (0.5 * s) ** 2])
+    # a chat-shaped profile (0.6, then 0.7 a position) serving code that accepts 0.9 at position 0:
+    # the positions not drafted yet expect 0.7 * 0.9 / 0.6 (capped at 1) a position, not 0.7
+    chat = [0.6, 0.42, 0.294, 0.2058]
+    est = AcceptanceEstimate(chat, 4, prior_weight=0.0)
+    est.observe([1] * 10, [1] * 9 + [0])
+    assert est.rates() == pytest.approx([0.9, 0.9, 0.9, 0.9])
+    est.observe([2] * 10, [2] * 6 + [1] * 3 + [0])  # position 1 measured: 0.6, 2/3 of position 0
+    r = est.rates()
+    s1 = (0.6 / 0.9) / 0.7  # its chance given position 0, against the profile's
+    assert r[:2] == pytest.approx([0.9, 0.6]) and r[2] == pytest.approx(0.6 * s1 * 0.7)
+    assert r[3] == pytest.approx(r[2] * s1 * 0.7)
+    # guards: nothing accepted, an all-zero profile
+    zero = AcceptanceEstimate([0.5, 0.2], 2, prior_weight=0.0)
+    zero.observe([1] * 4, [0] * 4)
+    assert zero.rates() == [0.0, 0.0]
+    assert AcceptanceEstimate([0.0, 0.0], 2).rates() == [0.0, 0.0]
 
 
 def test_statistics_tell_acceptance_per_proposed_and_per_asked_position():

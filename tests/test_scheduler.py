@@ -80,3 +80,20 @@ def test_drafts_yield_the_budget_to_pending_prefill_deepest_first():
     scheduler.add(request(3, prompt_len=400))  # a burst: more pending than the budget holds
     plan = scheduler.schedule(recorder)
     assert plan.k_caps == [0, 0] and sum(c.num_tokens for c in plan.prefills) == 120 - 2
+
+
+def test_fit_drafts_equals_cutting_the_deepest_one_token_at_a_time():
+    import random
+
+    def one_at_a_time(wanted, room):  # the rule as stated: cut the deepest (the earlier on ties)
+        caps = list(wanted)
+        for _ in range(sum(caps) - max(0, room)):
+            deepest = max(range(len(caps)), key=caps.__getitem__)
+            caps[deepest] -= 1
+        return caps
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        wanted = [rng.randint(0, 6) for _ in range(rng.randint(0, 12))]
+        room = rng.randint(-3, sum(wanted) + 3)
+        assert fit_drafts(wanted, room) == one_at_a_time(wanted, room), (wanted, room)

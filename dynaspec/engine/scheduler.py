@@ -213,11 +213,23 @@ def _output(
 
 def fit_drafts(wanted: list[int], room: int) -> list[int]:
     """Draft lengths cut to at most ``room`` tokens in all, the deepest first (each request keeps
-    as many as it can of what it wanted; ties: the earlier first); unchanged when they fit."""
-    caps = list(wanted)
-    excess = sum(caps) - max(0, room)
-    while excess > 0:
-        deepest = max(range(len(caps)), key=caps.__getitem__)
-        caps[deepest] -= 1
-        excess -= 1
+    as many as it can of what it wanted; ties: the earlier first); unchanged when they fit.
+
+    Cutting the deepest one token at a time levels the lengths down to a water level L (the
+    highest with sum(min(wanted, L)) <= room); the tokens left over go one each to the requests
+    that wanted more than L, the later first (a tie cut the earlier)."""
+    room = max(0, room)
+    if sum(wanted) <= room:
+        return list(wanted)
+    level = 0
+    while sum(min(w, level + 1) for w in wanted) <= room:
+        level += 1
+    caps = [min(w, level) for w in wanted]
+    spare = room - sum(caps)
+    for i in reversed(range(len(caps))):
+        if spare == 0:
+            break
+        if wanted[i] > level:
+            caps[i] += 1
+            spare -= 1
     return caps
