@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The issue-13 figures (results/RESULTS.md, "K where the seeds need it"): a HumanEval profile, the
 # mixed-traffic sweep (per-request K beside the batch-level goodput policy), the RL-rollout tail,
-# and the cross-dataset sweep (profiled on HumanEval, run on MT-Bench); rollout64, rollout_ngram and
-# sweep_mixed_t1 (run with THREADS=2; results/profile_ngram_auto.json is the n-gram profile that
-# `dynamic_config_path: "auto"` cached at 2 threads) came later.
+# and the cross-dataset sweep (profiled on HumanEval, run on MT-Bench); rollout64, rollout_ngram,
+# sweep_mixed_t1, rollout_code, profile_mtbench and sweep_cross_reverse (profiled on MT-Bench, run on
+# HumanEval) came later (all with THREADS=2; results/profile_ngram_auto.json is the n-gram profile
+# that `dynamic_config_path: "auto"` cached at 2 threads).
 # THREADS=1 (the default) runs on one pinned core with one torch thread and its own profile (as the
 # profile and mixed sweep were run, while the other core served other work); THREADS=2 runs on
 # both cores with the 2-thread profile results/profile_qwen_pair_humaneval.json (as the rollout and
