@@ -163,9 +163,11 @@ def run(args: argparse.Namespace) -> int:
     from dynaspec.kpolicy.profile import load_profile
     from dynaspec.sampling_params import SamplingParams
 
-    check_at_least(("--num-prompts", args.num_prompts, 1), ("--rounds", args.rounds, 1))
-    if not args.length_sigma >= 0:
-        raise ValueError(f"--length-sigma: must be >= 0, got {args.length_sigma}")
+    check_at_least(
+        ("--num-prompts", args.num_prompts, 1),
+        ("--rounds", args.rounds, 1),
+        ("--length-sigma", args.length_sigma, 0),
+    )
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None:
         raise ValueError(

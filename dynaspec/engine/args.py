@@ -52,8 +52,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
-def check_at_least(*checks: tuple[str, int, int]) -> None:
-    """(flag, value, least) triples: a ValueError naming the first flag whose value is below its least."""
+def check_at_least(*checks: tuple[str, float, float]) -> None:
+    """(flag, value, least) triples: a ValueError naming the first flag whose value is below its least
+    (or is not a number: NaN)."""
     for flag, value, least in checks:
-        if value < least:
+        if not value >= least:
             raise ValueError(f"{flag}: must be >= {least}, got {value}")

@@ -158,8 +158,8 @@ class AcceptanceEstimate:
         out: list[float] = []
         scale = 1.0  # the traffic's chance of accepting i given i-1, over the profile's
         for i, (d, a) in enumerate(zip(self.drafted, self.accepted)):
-            given = prior[i] / prior[i - 1] if i and prior[i - 1] > 0 else (prior[0] if i == 0 else 0.0)
-            before = out[i - 1] if i else 1.0
+            before, prior_before = (out[i - 1], prior[i - 1]) if i else (1.0, 1.0)  # position -1: certain
+            given = prior[i] / prior_before if prior_before > 0 else 0.0
             p = before * min(1.0, scale * given)
             out.append(min(1.0, max(0.0, (a + w * p) / (d + w) if d + w > 0 else p)))
             if given > 0 and before > 0:
