@@ -37,7 +37,8 @@ for name, policy in (("K=3", FixedK(3)), ("per-request", GoodputK(profile, 5, 3,
         for _ in range(finished):  # the closed loop: a finished request is replaced
             if queued:
                 engine.add_request(queued.pop(0), params)
-    print(f"{name}: wall {time.perf_counter() - start:.1f} s, {len(rows)} steps")
+    probes = policy.snapshot().get("probes", 0)
+    print(f"{name}: wall {time.perf_counter() - start:.1f} s, {len(rows)} steps, {probes} probes")
     print("  K caps per step (most common):", Counter(r[1] for r in rows).most_common(6))
     print(
         "  steps with prefill:",

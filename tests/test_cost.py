@@ -1,6 +1,7 @@
 """The live step-cost model and the goodput policy's choice of who drafts: pure functions, no model."""
 
 import json
+import math
 import random
 
 import pytest
@@ -142,11 +143,12 @@ def test_live_costs_move_k():
 ALPHA4 = [0.9, 0.85, 0.8, 0.75]
 
 
-def goodput(catchup_ms_per_token=5.0, hysteresis=1, per_request=False):
-    """The batch-level rule by default (one K, who drafts); per_request=True refines it per request."""
+def goodput(catchup_ms_per_token=5.0, hysteresis=1, per_request=False, explore_below=0.0, alpha=ALPHA4):
+    """The batch-level rule by default (one K, who drafts); per_request=True refines it per request.
+    Exploration is off unless asked for: these tests price the rule itself."""
     cost_model = {"target_ms": TARGET, "draft_pass_ms": [DRAFT[0], DRAFT[1], catchup_ms_per_token]}
-    profile = Profile(4, ALPHA4, GRID, cost_model=cost_model)
-    return GoodputK(profile, 4, hysteresis, per_request=per_request)
+    profile = Profile(4, alpha, GRID, cost_model=cost_model)
+    return GoodputK(profile, 4, hysteresis, per_request=per_request, explore_below=explore_below)
 
 
 def test_caught_up_batch_gets_the_plain_goodput_k():
@@ -255,3 +257,56 @@ def test_k_is_chosen_for_every_running_request_but_only_decoding_ones_draft():
     table = TableK([[1, 4, 3], [5, 64, 0]], 4, hysteresis_steps=1)
     assert table.choose([DraftCandidate(1, 20)] * 2 + prefilling[:3]) == (3, [3, 3, 0, 0, 0])
     assert FixedK(2).choose([DraftCandidate(1, 20)] + prefilling[:1]) == (2, [2, 0])
+
+
+CHAT4 = [0.66, 0.47, 0.33, 0.25]  # a chat-like profile: at a load of 16 on GRID, plain decoding wins
+
+
+def test_exploration_probes_one_request_while_the_estimate_has_no_live_evidence():
+    assert best_k(CHAT4, GRID, 16, 4) == 0 and best_k([0.95] * 4, GRID, 16, 4) > 0
+    policy = goodput(catchup_ms_per_token=1.0, explore_below=4.0, alpha=CHAT4)
+    owing = [DraftCandidate(4, 20)] * 5 + [DraftCandidate(2, 20)] + [DraftCandidate(4, 20)] * 9
+    prefilling = DraftCandidate(300, 20, decoding=False)
+    # nobody drafts, and K=0 would measure nothing: the request owing least drafts one token
+    assert policy.choose(owing + [prefilling]) == (1, [0] * 5 + [1] + [0] * 10)
+    assert policy.k_for_batch(16) == 0  # a query of the rule, not a step: no probe
+    assert policy.snapshot()["k_by_batch_size"] == {16: 0}  # the probe is not the policy's K
+    # once the estimate stands on enough live drafts, K=0 stays K=0
+    for _ in range(5):
+        policy.observe(step_record([1], [0]))  # the probes find what the profile said
+    assert policy.acceptance.evidence() >= 4.0
+    assert policy.choose(owing + [prefilling]) == (0, [0] * 16)
+    assert policy.snapshot()["probes"] == 1
+    # a request that cannot draft (prefilling, or one token left) is never probed
+    fresh = goodput(catchup_ms_per_token=1.0, explore_below=4.0, alpha=CHAT4)
+    assert fresh.choose([prefilling] * 15 + [DraftCandidate(1, 1)]) == (0, [0] * 16)
+    # nor is anyone where drafting would not pay even were acceptance far better than estimated
+    assert fresh.choose([DraftCandidate(1, 1000)] * 64) == (0, [0] * 64)
+
+
+def test_exploration_corrects_a_profile_that_underrates_the_traffic():
+    """A chat profile on traffic accepting every draft, at a load where the profile says plain
+    decoding wins: without probes the policy never drafts and never learns; with them it measures
+    and speculates for everyone."""
+    for explore_below, learns in ((0.0, False), (4.0, True)):
+        policy = goodput(catchup_ms_per_token=0.0, explore_below=explore_below, alpha=CHAT4)
+        batch = [DraftCandidate(1, 1000)] * 16
+        for _ in range(60):
+            k, drafts = policy.choose(batch)
+            policy.observe(step_record(drafts, drafts))  # every draft accepted
+        assert (k > 0 and all(d > 0 for d in drafts)) == learns
+        assert (policy.acceptance.rates()[0] > 0.8) == learns
+
+
+def test_exploration_costs_a_probe_every_dozen_steps_when_speculation_does_not_pay():
+    policy = goodput(catchup_ms_per_token=0.0, explore_below=4.0, alpha=CHAT4)
+    batch = [DraftCandidate(1, 1000)] * 16
+    probes = 0
+    for _ in range(500):
+        k, drafts = policy.choose(batch)
+        probes += sum(drafts)
+        policy.observe(step_record(drafts, [0] * len(drafts)))  # the probes confirm it: nothing accepted
+    assert k == 0
+    # 4 probes to reach 4 drafts of evidence, then one each time it fades from 5 back under 4
+    every = math.log(5 / 4) / -math.log(policy.acceptance.decay)  # 11 steps
+    assert abs(probes - (4 + 496 / every)) <= 2

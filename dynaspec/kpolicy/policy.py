@@ -153,6 +153,10 @@ class AcceptanceEstimate:
                 self.drafted[i] += 1
                 self.accepted[i] += i < acc
 
+    def evidence(self) -> float:
+        """Live drafts behind the estimate at position 0 (decayed): 0 while it is the profile's."""
+        return self.drafted[0] if self.drafted else 0.0
+
     def rates(self) -> list[float]:
         w, prior = self.prior_weight, self.prior
         out: list[float] = []
@@ -367,6 +371,15 @@ class GoodputK:
     catch-up of the request that will replace it (one prompt per output budget); per request, each
     request pays what it owes when it drafts, and a replacement pays its own.
 
+    Exploration: K=0 measures nothing, so a profile that underrates the traffic would never be
+    corrected (one that overrates it is, by the drafts it wastes). When no request would draft,
+    fewer than ``explore_below`` live drafts (decayed) stand behind the acceptance estimate, and
+    drafting would pay were every α_i halfway from the estimate to 1, the request owing the drafter
+    least drafts one token. Where even that hope would not draft (a wide batch), nothing is
+    probed; where it would, the estimate keeps about ``explore_below`` drafts of evidence: a probe
+    every ~1/((1-decay)·explore_below) steps (12 by default) while K=0 stays right, one row of one
+    draft token, a few percent of such a step.
+
     Confidence stops: a decode stops drafting at a position whose drafter top probability is below
     ``min_draft_confidence()``, fixed by ``min_confidence`` or, when that is None, the top of the
     confidence bins whose measured acceptance is below break-even, V * bs / ITL(bs, 0) (V: what a
@@ -381,6 +394,7 @@ class GoodputK:
         cost_model: StepCostModel | None = None,
         per_request: bool = True,
         min_confidence: float | None = None,
+        explore_below: float = 4.0,
         **estimate_kwargs,
     ) -> None:
         self.profile = profile
@@ -404,6 +418,8 @@ class GoodputK:
         self.fixed_confidence = min_confidence
         self.calibration = ConfidenceCalibration()
         self.load = 0  # the load of the last choice (for the confidence stop's break-even)
+        self.explore_below = explore_below
+        self.num_probes = 0  # steps where one request drafted only to measure acceptance
         self.num_withheld = 0  # request-steps kept from drafting because their catch-up would not pay
 
     def itl(self, batch_size: int, k: int) -> float | None:
@@ -416,9 +432,12 @@ class GoodputK:
 
     def k_for_batch(self, batch_size: int) -> int:
         """K for a batch whose drafter is caught up everywhere."""
-        return self.choose([DraftCandidate(1, 1 << 30)] * batch_size)[0]
+        return self._choose([DraftCandidate(1, 1 << 30)] * batch_size, explore=False)[0]
 
     def choose(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
+        return self._choose(candidates, explore=True)
+
+    def _choose(self, candidates: Sequence[DraftCandidate], explore: bool) -> tuple[int, list[int]]:
         bs = self.load = len(candidates)
         if bs == 0:
             return 0, []
@@ -459,7 +478,19 @@ class GoodputK:
         self.num_withheld += num_decoding - sum(d > 0 for d in drafts) if k else 0
         if _log_change(self.k_by_batch_size, bs, k, "goodput"):
             log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in alpha))
+        if explore and not k and plain and self.acceptance.evidence() < self.explore_below:
+            hopeful = self._scores(bs, plain, [a + (1.0 - a) / 2 for a in alpha], prefix)
+            probe = self._probe(candidates, cost)
+            if probe is not None and max(hopeful, key=hopeful.get)[0]:
+                drafts[probe], k = 1, 1
+                self.num_probes += 1
         return k, drafts
+
+    def _probe(self, candidates: Sequence[DraftCandidate], cost: Sequence[float]) -> int | None:
+        """The decoding request that drafts one token when nobody would: the one owing the drafter
+        least (None when no request may draft)."""
+        able = [i for i, c in enumerate(candidates) if c.decoding and c.tokens_left > 1]
+        return min(able, key=lambda i: cost[i]) if able and self.max_k else None
 
     def _layer_cost(self, rows: int, j: int) -> float:
         """Draft position j for ``rows`` requests: ITL(rows, j+1) - ITL(rows, j), at least 0."""
@@ -512,6 +543,7 @@ class GoodputK:
             "k_by_batch_size": dict(sorted(self.k_by_batch_size.items())),
             "acceptance_rate_per_pos": [round(a, 4) for a in self.acceptance.rates()],
             "requests_withheld": self.num_withheld,
+            "probes": self.num_probes,
             "min_draft_confidence": round(self.min_draft_confidence(), 3),
             "acceptance_by_confidence": self.calibration.snapshot(),
             "cost_model": self.costs.snapshot(),
