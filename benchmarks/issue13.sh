@@ -2,8 +2,9 @@
 # The issue-13 figures (results/RESULTS.md, "K where the seeds need it"): a HumanEval profile, the
 # mixed-traffic sweep (per-request K beside the batch-level goodput policy), the RL-rollout tail,
 # and the cross-dataset sweep (profiled on HumanEval, run on MT-Bench); rollout64, rollout_ngram,
-# sweep_mixed_t1, rollout_code, profile_mtbench and sweep_cross_reverse (profiled on MT-Bench, run on
-# HumanEval) came later (all with THREADS=2; results/profile_ngram_auto.json is the n-gram profile
+# sweep_mixed_t1, rollout_code, profile_mtbench, sweep_cross_reverse (profiled on MT-Bench, run on
+# HumanEval) and sweep_cross_reverse_t1 (the same sampled at temperature 1.0) came later (all with
+# THREADS=2; results/profile_ngram_auto.json is the n-gram profile
 # that `dynamic_config_path: "auto"` cached at 2 threads).
 # THREADS=1 (the default) runs on one pinned core with one torch thread and its own profile (as the
 # profile and mixed sweep were run, while the other core served other work); THREADS=2 runs on
@@ -79,6 +80,12 @@ sweep_cross_reverse() {  # profiled on MT-Bench, served HumanEval
         --dataset humaneval $SWEEP --configs none,K=1,K=3,K=5,goodput,per-request \
         --result-file results/sweep_cross_reverse.json --plot results/sweep_cross_reverse.png 2>&1 \
         | grep -v "$QUIET" | tee results/sweep_cross_reverse.log
+}
+sweep_cross_reverse_t1() {  # profiled on MT-Bench (greedy), served HumanEval sampled at temperature 1.0
+    $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile results/profile_qwen_pair_mtbench.json \
+        --dataset humaneval $SWEEP --temperature 1.0 --configs none,K=1,K=3,K=5,goodput,per-request \
+        --result-file results/sweep_cross_reverse_t1.json --plot results/sweep_cross_reverse_t1.png 2>&1 \
+        | grep -v "$QUIET" | tee results/sweep_cross_reverse_t1.log
 }
 for step in ${STEPS:-profile sweep_mixed rollout sweep_cross}; do
     "$step"
