@@ -1,5 +1,7 @@
 """The scheduler asks the K policy about the load: decodes, then requests still prefilling or waiting."""
 
+import random
+
 import torch
 
 from dynaspec.engine.kv_cache import BlockAllocator
@@ -83,8 +85,6 @@ def test_drafts_yield_the_budget_to_pending_prefill_deepest_first():
 
 
 def test_fit_drafts_equals_cutting_the_deepest_one_token_at_a_time():
-    import random
-
     def one_at_a_time(wanted, room):  # the rule as stated: cut the deepest (the earlier on ties)
         caps = list(wanted)
         for _ in range(sum(caps) - max(0, room)):

@@ -377,8 +377,9 @@ class GoodputK:
     drafting would pay were every α_i halfway from the estimate to 1, the request owing the drafter
     least drafts one token. Where even that hope would not draft (a wide batch), nothing is
     probed; where it would, the estimate keeps about ``explore_below`` drafts of evidence: a probe
-    every ~1/((1-decay)·explore_below) steps (12 by default) while K=0 stays right, one row of one
-    draft token, a few percent of such a step.
+    each time it fades from explore_below + 1 back under it, every ln(1 + 1/explore_below)/(1-decay)
+    steps (11 by default) while K=0 stays right, one row of one draft token, a few percent of such
+    a step.
 
     Confidence stops: a decode stops drafting at a position whose drafter top probability is below
     ``min_draft_confidence()``, fixed by ``min_confidence`` or, when that is None, the top of the
@@ -463,12 +464,14 @@ class GoodputK:
         drafts = [0] * bs
         for i in order[:n]:
             drafts[i] = k if candidates[i].decoding else 0
+        # what each request may draft: decoding ones, up to one token fewer than they have left
+        caps = [min(self.max_k, max(0, c.tokens_left - 1)) if c.decoding else 0 for c in candidates]
         if self.per_request and self.max_k and plain:
             drafts = refine_drafts(
                 drafts,
                 [self.requests.rates(c.request_id, alpha) for c in candidates],
                 cost,
-                [min(self.max_k, max(0, c.tokens_left - 1)) if c.decoding else 0 for c in candidates],
+                caps,
                 functools.lru_cache(maxsize=None)(self._layer_cost),  # the grid read once per cell
                 plain,
                 bs,
@@ -478,19 +481,12 @@ class GoodputK:
         self.num_withheld += num_decoding - sum(d > 0 for d in drafts) if k else 0
         if _log_change(self.k_by_batch_size, bs, k, "goodput"):
             log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in alpha))
-        if explore and not k and plain and self.acceptance.evidence() < self.explore_below:
+        if explore and not k and plain and any(caps) and self.acceptance.evidence() < self.explore_below:
             hopeful = self._scores(bs, plain, [a + (1.0 - a) / 2 for a in alpha], prefix)
-            probe = self._probe(candidates, cost)
-            if probe is not None and max(hopeful, key=hopeful.get)[0]:
-                drafts[probe], k = 1, 1
+            if max(hopeful, key=hopeful.get)[0]:  # the probe: the request owing the drafter least
+                drafts[min((i for i in range(bs) if caps[i]), key=cost.__getitem__)], k = 1, 1
                 self.num_probes += 1
         return k, drafts
-
-    def _probe(self, candidates: Sequence[DraftCandidate], cost: Sequence[float]) -> int | None:
-        """The decoding request that drafts one token when nobody would: the one owing the drafter
-        least (None when no request may draft)."""
-        able = [i for i, c in enumerate(candidates) if c.decoding and c.tokens_left > 1]
-        return min(able, key=lambda i: cost[i]) if able and self.max_k else None
 
     def _layer_cost(self, rows: int, j: int) -> float:
         """Draft position j for ``rows`` requests: ITL(rows, j+1) - ITL(rows, j), at least 0."""
