@@ -3,9 +3,10 @@
 # mixed-traffic sweep (per-request K beside the batch-level goodput policy), the RL-rollout tail,
 # and the cross-dataset sweep (profiled on HumanEval, run on MT-Bench); rollout64, rollout_ngram,
 # sweep_mixed_t1, rollout_code, profile_mtbench, sweep_cross_reverse (profiled on MT-Bench, run on
-# HumanEval) and sweep_cross_reverse_t1 (the same sampled at temperature 1.0) came later (all with
-# THREADS=2; results/profile_ngram_auto.json is the n-gram profile
-# that `dynamic_config_path: "auto"` cached at 2 threads).
+# HumanEval), sweep_cross_reverse_t1 and sweep_cross_t1 (both directions sampled at temperature 1.0)
+# came later (all with THREADS=2; results/profile_ngram_auto.json is the n-gram profile that
+# `dynamic_config_path: "auto"` cached at 2 threads; sweep_mixed and sweep_mixed_t1 were re-run at
+# THREADS=2 after exploration).
 # THREADS=1 (the default) runs on one pinned core with one torch thread and its own profile (as the
 # profile and mixed sweep were run, while the other core served other work); THREADS=2 runs on
 # both cores with the 2-thread profile results/profile_qwen_pair_humaneval.json (as the rollout and
@@ -86,6 +87,11 @@ sweep_cross_reverse_t1() {  # profiled on MT-Bench (greedy), served HumanEval sa
         --dataset humaneval $SWEEP --temperature 1.0 --configs none,K=1,K=3,K=5,goodput,per-request \
         --result-file results/sweep_cross_reverse_t1.json --plot results/sweep_cross_reverse_t1.png 2>&1 \
         | grep -v "$QUIET" | tee results/sweep_cross_reverse_t1.log
+}
+sweep_cross_t1() {  # profiled on HumanEval (greedy), served MT-Bench sampled at temperature 1.0
+    $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset mtbench $SWEEP \
+        --temperature 1.0 --configs none,K=1,K=3,goodput,per-request --result-file results/sweep_cross_t1.json \
+        --plot results/sweep_cross_t1.png 2>&1 | grep -v "$QUIET" | tee results/sweep_cross_t1.log
 }
 for step in ${STEPS:-profile sweep_mixed rollout sweep_cross}; do
     "$step"
