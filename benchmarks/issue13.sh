@@ -93,6 +93,15 @@ sweep_cross_t1() {  # profiled on HumanEval (greedy), served MT-Bench sampled at
         --temperature 1.0 --configs none,K=1,K=3,goodput,per-request --result-file results/sweep_cross_t1.json \
         --plot results/sweep_cross_t1.png 2>&1 | grep -v "$QUIET" | tee results/sweep_cross_t1.log
 }
+sweep_c2_t1() {  # both sampled cross-dataset sweeps again at C=2 only, 4 rounds: the cells closest to the line
+    C2="--concurrency 2 --prompts-per-concurrency 8 --min-prompts 8 --max-tokens 128 --rounds 4 --temperature 1.0"
+    $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile results/profile_qwen_pair_mtbench.json \
+        --dataset humaneval $C2 --configs K=5,goodput,per-request --result-file results/sweep_c2_t1_humaneval.json \
+        2>&1 | grep -v "$QUIET" | tee results/sweep_c2_t1_humaneval.log
+    $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE \
+        --dataset mtbench $C2 --configs K=1,goodput,per-request --result-file results/sweep_c2_t1_mtbench.json \
+        2>&1 | grep -v "$QUIET" | tee results/sweep_c2_t1_mtbench.log
+}
 for step in ${STEPS:-profile sweep_mixed rollout sweep_cross}; do
     "$step"
 done

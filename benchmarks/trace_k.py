@@ -1,7 +1,14 @@
-"""Per-step trace of the K caps a policy gives at C=2 (results/RESULTS.md, "Cross-dataset, the other
-way"): the MT-Bench profile, 10 HumanEval prompts in a closed loop of 2, 128 tokens, greedy; fixed
-K=3 beside per-request K. Run: .venv/bin/python benchmarks/trace_k.py (about 2 minutes)."""
+"""Per-step trace of the K a policy gives and the drafts it gets (results/RESULTS.md, "Cross-dataset,
+the other way"): the pair with the MT-Bench profile on HumanEval prompts in a closed loop, configs
+side by side in rounds (ABBA), every step's `k_caps` and draft lengths recorded.
 
+    .venv/bin/python benchmarks/trace_k.py       # C=2, 10 prompts, greedy, K=3 and per-request (~2 min)
+    .venv/bin/python benchmarks/trace_k.py --concurrency 1 --prompts 8 --temperature 1.0 --rounds 2 \
+        --configs K=5,goodput,per-request,per-request-conf0                                   # (~8 min)
+
+A draft length below its cap is a confidence stop (or a draft cut at the request's last tokens)."""
+
+import argparse
 import time
 from collections import Counter
 
@@ -17,32 +24,102 @@ SPEC = {
     "draft_vocab_size": 32768,
     "num_speculative_tokens": 5,
 }
-engine = Engine(EngineConfig(model="qwen2.5-coder-1.5b-instruct", speculative_config=SPEC))
-profile = load_profile("results/profile_qwen_pair_mtbench.json")
-prompts = load_prompts("humaneval", chat=True)[:10]
-plans = []  # every step's plan, recorded as the scheduler makes it
-schedule = engine.scheduler.schedule
-engine.scheduler.schedule = lambda policy: plans.append(schedule(policy)) or plans[-1]
-params = SamplingParams(max_tokens=128, temperature=0.0)
-for name, policy in (("K=3", FixedK(3)), ("per-request", GoodputK(profile, 5, 3, per_request=True))):
+
+
+def policies(profile) -> dict:
+    return {
+        "goodput": lambda: GoodputK(profile, 5, 3, per_request=False),
+        "per-request": lambda: GoodputK(profile, 5, 3, per_request=True),
+        "per-request-conf0": lambda: GoodputK(profile, 5, 3, per_request=True, min_confidence=0.0),
+    }
+
+
+def fixed_or_named(makers: dict, name: str):
+    if name in makers:
+        return makers[name]
+    k = int(name.removeprefix("K="))
+    return lambda: FixedK(k)
+
+
+def run_round(engine, policy, prompts, args, seed_base: int, plans: list, t: dict) -> None:
+    """One closed loop of ``args.concurrency`` over ``prompts`` with ``policy``, adding to ``t``."""
     engine.set_k_policy(policy)
-    for prompt in prompts[:2]:
+    observe = policy.observe
+
+    def spy(record) -> None:  # each decode's draft length against its cap
+        t["drafts"].update(zip(record.plan.k_caps, record.result.draft_lens))
+        observe(record)
+
+    policy.observe = spy
+    queued = list(enumerate(prompts))
+
+    def submit() -> None:
+        i, prompt = queued.pop(0)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed_base + i)
         engine.add_request(prompt, params)
-    queued, rows, start = prompts[2:], [], time.perf_counter()
+
+    for _ in range(min(args.concurrency, len(queued))):
+        submit()
+    start, tokens = time.perf_counter(), 0
     while engine.has_unfinished():
-        began = time.perf_counter()
-        finished = sum(o.finished for o in engine.step())
-        plan = plans[-1]
-        rows.append((round((time.perf_counter() - began) * 1000), tuple(plan.k_caps), len(plan.prefills)))
-        for _ in range(finished):  # the closed loop: a finished request is replaced
-            if queued:
-                engine.add_request(queued.pop(0), params)
-    probes = policy.snapshot().get("probes", 0)
-    print(f"{name}: wall {time.perf_counter() - start:.1f} s, {len(rows)} steps, {probes} probes")
-    print("  K caps per step (most common):", Counter(r[1] for r in rows).most_common(6))
-    print(
-        "  steps with prefill:",
-        sum(1 for r in rows if r[2]),
-        "steps over 400 ms:",
-        [r for r in rows if r[0] > 400][:8],
-    )
+        planned = len(plans)
+        outputs = engine.step()
+        if len(plans) > planned:
+            t["steps"] += 1
+            t["caps"][tuple(plans[-1].k_caps)] += 1
+        for o in outputs:
+            if o.finished:  # the closed loop: a finished request is replaced
+                tokens += len(o.output_token_ids)
+                if queued:
+                    submit()
+    wall = time.perf_counter() - start
+    t["wall"] += wall
+    t["tokens"] += tokens
+    t["probes"] += policy.snapshot().get("probes", 0)
+    print(f"  {tokens / wall:.2f} tok/s ({tokens} tokens, {wall:.1f} s)", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default="results/profile_qwen_pair_mtbench.json")
+    p.add_argument("--dataset", default="humaneval")
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--configs", default="K=3,per-request", help="K=k, goodput, per-request(-conf0)")
+    args = p.parse_args()
+
+    engine = Engine(EngineConfig(model="qwen2.5-coder-1.5b-instruct", speculative_config=SPEC))
+    makers = policies(load_profile(args.profile))
+    names = args.configs.split(",")
+    prompts = load_prompts(args.dataset, chat=True)[: args.prompts]
+    plans = []  # every step's plan, recorded as the scheduler makes it
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda policy: plans.append(schedule(policy)) or plans[-1]
+    totals = {
+        n: {"wall": 0.0, "tokens": 0, "caps": Counter(), "drafts": Counter(), "steps": 0, "probes": 0}
+        for n in names
+    }
+    for rnd in range(args.rounds):
+        for name in names if rnd % 2 == 0 else names[::-1]:
+            print(f"round {rnd} {name}:", end="", flush=True)
+            run_round(engine, fixed_or_named(makers, name)(), prompts, args, rnd * 1000, plans, totals[name])
+    for name in names:
+        t = totals[name]
+        print(
+            f"{name}: {t['tokens'] / t['wall']:.2f} tok/s over {t['wall']:.1f} s, {t['steps']} steps, "
+            f"{t['probes']} probes"
+        )
+        print("  K caps per step (most common):", t["caps"].most_common(6))
+        rows = sum(t["drafts"].values())
+        cut = sum(n for (cap, drafted), n in t["drafts"].items() if drafted < cap)
+        lengths = Counter()
+        for (_, drafted), n in t["drafts"].items():
+            lengths[drafted] += n
+        print(f"  decode rows {rows}, drafted below their cap {cut}; draft lengths:", sorted(lengths.items()))
+
+
+if __name__ == "__main__":
+    main()
