@@ -5,8 +5,9 @@
 # sweep_mixed_t1, rollout_code, profile_mtbench, sweep_cross_reverse (profiled on MT-Bench, run on
 # HumanEval), sweep_cross_reverse_t1 and sweep_cross_t1 (both directions sampled at temperature 1.0)
 # came later (all with THREADS=2; results/profile_ngram_auto.json is the n-gram profile that
-# `dynamic_config_path: "auto"` cached at 2 threads; sweep_mixed and sweep_mixed_t1 were re-run at
-# THREADS=2 after exploration).
+# `dynamic_config_path: "auto"` cached at 2 threads; the mixed sweeps' figures predate 812d2ab and lie
+# in results/before_scaled_decline/; sweep_c2_t1 repeats the sampled cross sweeps at C=2 with 4 rounds;
+# rollout64_catchup measures the drafter's catch-up in the step budget).
 # THREADS=1 (the default) runs on one pinned core with one torch thread and its own profile (as the
 # profile and mixed sweep were run, while the other core served other work); THREADS=2 runs on
 # both cores with the 2-thread profile results/profile_qwen_pair_humaneval.json (as the rollout and
@@ -92,6 +93,12 @@ sweep_cross_t1() {  # profiled on HumanEval (greedy), served MT-Bench sampled at
     $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset mtbench $SWEEP \
         --temperature 1.0 --configs none,K=1,K=3,goodput,per-request --result-file results/sweep_cross_t1.json \
         --plot results/sweep_cross_t1.png 2>&1 | grep -v "$QUIET" | tee results/sweep_cross_t1.log
+}
+rollout64_catchup() {  # rollout64's shape, none and fixed K=1 only: the drafter's catch-up in the step budget
+    $D bench rollout --model $MODEL --speculative-config "$SPEC" --dataset mtbench --fixed-ks 1 \
+        --num-prompts 64 --lengths longtail --median-tokens 48 --max-tokens 512 --rounds 1 \
+        --result-file results/bench_rollout64_catchup.json --plot results/bench_rollout64_catchup.png 2>&1 \
+        | grep -v "$QUIET" | tee results/bench_rollout64_catchup.log
 }
 sweep_c2_t1() {  # both sampled cross-dataset sweeps again at C=2 only, 4 rounds: the cells closest to the line
     C2="--concurrency 2 --prompts-per-concurrency 8 --min-prompts 8 --max-tokens 128 --rounds 4 --temperature 1.0"

@@ -36,6 +36,7 @@ def test_rollout_tiny(tmp_path, target_dir):
     for r in rows.values():
         assert r["output_tokens"] == 2 * sum(lengths)  # ignore EOS: every request runs to its length
         assert 0 < r["t50_s"] <= r["t90_s"] <= r["makespan_s"]
+        assert 0 < r["longest_step_s"] <= r["makespan_s"]
         assert len(r["rounds"]) == 2 and len(r["rounds"][0]["finish_s"]) == 6
         series = r["rounds"][0]["series"]
         assert series[0][1] == 6 and series[-1][1] >= 1  # the batch drains
@@ -68,6 +69,14 @@ def test_rate_spans_at_least_the_window_so_long_steps_show():
 
     series = [(1.0, 4, 0, 10), (4.0, 4, 0, 40), (4.5, 3, 0, 50)]  # the second step took 3 s > 2 s
     assert _rate(series, 2.0) == pytest.approx([10.0, 10.0, 40 / 3.5])
+
+
+def test_longest_step_is_the_longest_gap_from_the_start():
+    from dynaspec.bench.rollout import longest_step
+
+    series = [(1.0, 4, 0, 10), (4.0, 4, 0, 40), (4.5, 3, 0, 50)]  # steps of 1, 3 and 0.5 s
+    assert longest_step(series) == pytest.approx(3.0)
+    assert longest_step([(2.5, 1, 0, 1)]) == pytest.approx(2.5) and longest_step([]) == 0.0
 
 
 def test_longtail_lengths_follow_sigma_and_seed():

@@ -6,7 +6,7 @@ import torch
 
 from dynaspec.engine.kv_cache import BlockAllocator
 from dynaspec.engine.request import Request
-from dynaspec.engine.scheduler import Scheduler, fit_drafts
+from dynaspec.engine.scheduler import Scheduler, fit_catchup, fit_drafts
 from dynaspec.sampling_params import SamplingParams
 
 
@@ -97,3 +97,31 @@ def test_fit_drafts_equals_cutting_the_deepest_one_token_at_a_time():
         wanted = [rng.randint(0, 6) for _ in range(rng.randint(0, 12))]
         room = rng.randint(-3, sum(wanted) + 3)
         assert fit_drafts(wanted, room) == one_at_a_time(wanted, room), (wanted, room)
+
+
+def test_drafter_catchup_obeys_the_token_budget_oldest_first():
+    assert fit_catchup([3, 3, 3], [1, 1, 1], 0) == [3, 3, 3]  # caught-up requests always draft
+    assert fit_catchup([5, 5], [0, 0], 0) == [5, 5] and fit_catchup([], [], 10) == []  # n-gram: nothing owed
+    # 200 + 90 fit 300; the first that does not fit goes anyway (the oldest waiting catch-up always
+    # proceeds, however long its prompt); the next waits
+    assert fit_catchup([3, 3, 3, 3, 3], [200, 90, 50, 40, 1], 300) == [3, 3, 3, 0, 3]
+    assert fit_catchup([0, 2, 2, 2], [900, 2, 600, 5], 100) == [0, 2, 2, 0]
+    seen = {}  # request id -> tokens the drafter has seen
+    scheduler = Scheduler(
+        BlockAllocator(1024, 16),
+        max_num_seqs=8,
+        max_num_batched_tokens=300,
+        unseen_tokens=lambda r: r.num_tokens - seen.get(r.request_id, 0),
+    )
+    for i in range(4):
+        scheduler.add(request(i, prompt_len=150))
+    while any(not r.is_decoding for r in scheduler.running) or scheduler.waiting:  # prefill, no drafts
+        for chunk in scheduler.schedule(None).prefills:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+            if chunk.completes:
+                chunk.request.output_token_ids.append(7)
+    plan = scheduler.schedule(Recorder())  # the backlog clears and all four would start drafting
+    assert plan.k_caps == [2, 2, 0, 0]  # 151 fits 300, 302 goes as the first over, the rest wait
+    for r in plan.decodes[:2]:  # the drafter caught up on the first two
+        seen[r.request_id] = r.num_tokens
+    assert scheduler.schedule(Recorder()).k_caps == [2, 2, 2, 2]  # the other two catch up now

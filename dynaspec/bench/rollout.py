@@ -13,6 +13,7 @@ finished, output tokens/s, and over time the running batch size and the K chosen
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import time
@@ -102,6 +103,12 @@ def rollout(engine, prompts: list, params: list) -> dict:
     tokens = sum(len(r.output_token_ids) for r in requests)
     alpha = run.spec.acceptance_rate_per_pos
     return {"finish": sorted(finish), "series": series, "tokens": tokens, "acceptance_per_pos": alpha}
+
+
+def longest_step(series: list) -> float:
+    """The longest step of a run (seconds): the longest every running request waited for a token."""
+    times = [0.0, *(s[0] for s in series)]
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
 
 def modelled_makespans(
@@ -221,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
         t90 = sum(_at(r["finish"], 0.9) for r in runs) / len(runs)
         tokens = sum(r["tokens"] for r in runs)
         speed = tokens / sum(r["finish"][-1] for r in runs)
-        rows.append([name, makespan, t50, t90, speed])
+        stall = max(longest_step(r["series"]) for r in runs)
+        rows.append([name, makespan, t50, t90, speed, stall])
         records.append(
             {
                 "config": name,
@@ -229,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
                 "t50_s": round(t50, 3),
                 "t90_s": round(t90, 3),
                 "tokens_per_s": round(speed, 3),
+                "longest_step_s": round(stall, 3),
                 "output_tokens": tokens,
                 "rounds": [{"finish_s": r["finish"], "series": r["series"]} for r in runs],
             }
@@ -236,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
     best_fixed = min(r[1] for r in rows if r[0] not in ("table", *DYNAMIC_CONFIGS))
     for row in rows:
         row.append(row[1] / best_fixed)
-    print(format_table(["config", "makespan s", "50% s", "90% s", "tok/s", "vs best fixed"], rows))
+    columns = ["config", "makespan s", "50% s", "90% s", "tok/s", "longest step s", "vs best fixed"]
+    print(format_table(columns, rows))
     model = None
     deepest = f"K={max(fixed_ks)}" if fixed_ks else None
     if profile is not None and deepest in results:

@@ -6,8 +6,12 @@ prompt never stalls running decodes for more than one chunk. Drafts never take b
 pending prefill: when the prompts waiting or being prefilled need more than the decodes' own
 tokens leave of the budget (a burst, such as a rollout's start), the drafts are cut to what is
 left, deepest first. A draft row is worth at most one token and costs what a prompt token costs,
-and a prompt held back delays every token of its request. When blocks run out, the newest
-running request is preempted (its blocks freed, recomputed later).
+and a prompt held back delays every token of its request. A draft model's catch-up (the tokens of
+a request it has not seen, a whole prompt when the request starts drafting) obeys the same token
+budget in the drafter's pass: requests whose catch-up does not fit draft in a later step (all but
+the oldest of them), so a batch that starts drafting at once (a burst clearing) catches up over
+several steps, not in one that stalls every request. When blocks run out, the newest running
+request is preempted (its blocks freed, recomputed later).
 """
 
 from __future__ import annotations
@@ -70,15 +74,17 @@ class Scheduler:
             chosen_k, wanted = k_policy.choose(self._load(decodes + pending))
             backlog = sum(r.num_tokens - r.num_computed_tokens for r in pending)  # prompt tokens to prefill
             wanted = fit_drafts(wanted[: len(decodes)], self.max_num_batched_tokens - len(decodes) - backlog)
+            wanted = [min(w, max(0, r.tokens_left - 1)) for r, w in zip(decodes, wanted)]  # room to grow
+            owed = [self.unseen_tokens(r) for r in decodes]
+            wanted = fit_catchup(wanted, owed, self.max_num_batched_tokens)
             min_confidence = k_policy.min_draft_confidence()
         k_caps: dict[str, int] = {}
         for r, want in zip(list(decodes), wanted):
             if r.status is not RequestStatus.RUNNING:  # preempted to make room for an older one
                 continue
-            cap = min(want, max(0, r.tokens_left - 1))
-            if not self._reserve(r, r.num_tokens + cap):
+            if not self._reserve(r, r.num_tokens + want):
                 continue
-            k_caps[r.request_id] = cap
+            k_caps[r.request_id] = want
         decodes = [r for r in decodes if r.request_id in k_caps]
         budget = self.max_num_batched_tokens - sum(1 + c for c in k_caps.values())
 
@@ -232,4 +238,25 @@ def fit_drafts(wanted: list[int], room: int) -> list[int]:
         if wanted[i] > level:
             caps[i] += 1
             spare -= 1
+    return caps
+
+
+def fit_catchup(wanted: list[int], owed: list[int], room: int) -> list[int]:
+    """Drafts kept where the drafter's catch-up fits: a request that drafts first feeds the
+    drafter the ``owed`` tokens it has not seen (its whole prompt when it starts drafting; 1 when
+    caught up, 0 for a proposer without a model: a row like the target's, never held back), and
+    those catch-ups, like the target's pass, hold at most ``room`` tokens. Requests are taken in
+    order (the oldest first); one whose catch-up does not fit what is left drafts nothing this step
+    and catches up in a later one, except the first such, so the oldest waiting catch-up always
+    proceeds, however long its prompt."""
+    caps, used, over = list(wanted), 0, False
+    for i, (w, o) in enumerate(zip(wanted, owed)):
+        if not w or o <= 1:
+            continue
+        if used + o > room:
+            if over:
+                caps[i] = 0
+                continue
+            over = True
+        used += o
     return caps
