@@ -6,7 +6,8 @@
 # HumanEval), sweep_cross_reverse_t1 and sweep_cross_t1 (both directions sampled at temperature 1.0)
 # came later (all with THREADS=2; results/profile_ngram_auto.json is the n-gram profile that
 # `dynamic_config_path: "auto"` cached at 2 threads; the mixed sweeps' figures predate 812d2ab and lie
-# in results/before_scaled_decline/; sweep_c2_t1 repeats the sampled cross sweeps at C=2 with 4 rounds;
+# in results/before_scaled_decline/; sweep_c2_t1 repeats the sampled cross sweeps at C=2 with 4 rounds
+# and sweep_c2_t1_long with 20 x C prompts;
 # rollout64_catchup measures the drafter's catch-up in the step budget).
 # THREADS=1 (the default) runs on one pinned core with one torch thread and its own profile (as the
 # profile and mixed sweep were run, while the other core served other work); THREADS=2 runs on
@@ -108,6 +109,15 @@ sweep_c2_t1() {  # both sampled cross-dataset sweeps again at C=2 only, 4 rounds
     $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE \
         --dataset mtbench $C2 --configs K=1,goodput,per-request --result-file results/sweep_c2_t1_mtbench.json \
         2>&1 | grep -v "$QUIET" | tee results/sweep_c2_t1_mtbench.log
+}
+sweep_c2_t1_long() {  # the same with 20 x C prompts (the reference's count) in 2 rounds of 20: less noise per round
+    C2="--concurrency 2 --prompts-per-concurrency 20 --min-prompts 8 --max-tokens 128 --rounds 2 --temperature 1.0"
+    $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile results/profile_qwen_pair_mtbench.json \
+        --dataset humaneval $C2 --configs K=5,goodput,per-request --result-file results/sweep_c2_t1_long_humaneval.json \
+        2>&1 | grep -v "$QUIET" | tee results/sweep_c2_t1_long_humaneval.log
+    $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE \
+        --dataset mtbench $C2 --configs K=1,goodput,per-request --result-file results/sweep_c2_t1_long_mtbench.json \
+        2>&1 | grep -v "$QUIET" | tee results/sweep_c2_t1_long_mtbench.log
 }
 for step in ${STEPS:-profile sweep_mixed rollout sweep_cross}; do
     "$step"
