@@ -101,24 +101,17 @@ rollout64_catchup() {  # rollout64's shape, none and fixed K=1 only: the drafter
         --result-file results/bench_rollout64_catchup.json --plot results/bench_rollout64_catchup.png 2>&1 \
         | grep -v "$QUIET" | tee results/bench_rollout64_catchup.log
 }
-sweep_c2_t1() {  # both sampled cross-dataset sweeps again at C=2 only, 4 rounds: the cells closest to the line
-    C2="--concurrency 2 --prompts-per-concurrency 8 --min-prompts 8 --max-tokens 128 --rounds 4 --temperature 1.0"
+c2_t1() {  # both sampled cross-dataset sweeps at C=2 only: $1 prompts per concurrency, $2 rounds, $3 file prefix
+    C2="--concurrency 2 --prompts-per-concurrency $1 --min-prompts 8 --max-tokens 128 --rounds $2 --temperature 1.0"
     $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile results/profile_qwen_pair_mtbench.json \
-        --dataset humaneval $C2 --configs K=5,goodput,per-request --result-file results/sweep_c2_t1_humaneval.json \
-        2>&1 | grep -v "$QUIET" | tee results/sweep_c2_t1_humaneval.log
+        --dataset humaneval $C2 --configs K=5,goodput,per-request --result-file results/$3_humaneval.json \
+        2>&1 | grep -v "$QUIET" | tee results/$3_humaneval.log
     $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE \
-        --dataset mtbench $C2 --configs K=1,goodput,per-request --result-file results/sweep_c2_t1_mtbench.json \
-        2>&1 | grep -v "$QUIET" | tee results/sweep_c2_t1_mtbench.log
+        --dataset mtbench $C2 --configs K=1,goodput,per-request --result-file results/$3_mtbench.json \
+        2>&1 | grep -v "$QUIET" | tee results/$3_mtbench.log
 }
-sweep_c2_t1_long() {  # the same with 20 x C prompts (the reference's count) in 2 rounds of 20: less noise per round
-    C2="--concurrency 2 --prompts-per-concurrency 20 --min-prompts 8 --max-tokens 128 --rounds 2 --temperature 1.0"
-    $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile results/profile_qwen_pair_mtbench.json \
-        --dataset humaneval $C2 --configs K=5,goodput,per-request --result-file results/sweep_c2_t1_long_humaneval.json \
-        2>&1 | grep -v "$QUIET" | tee results/sweep_c2_t1_long_humaneval.log
-    $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE \
-        --dataset mtbench $C2 --configs K=1,goodput,per-request --result-file results/sweep_c2_t1_long_mtbench.json \
-        2>&1 | grep -v "$QUIET" | tee results/sweep_c2_t1_long_mtbench.log
-}
+sweep_c2_t1() { c2_t1 8 4 sweep_c2_t1; }  # 4 rounds of 4 prompts: the cells closest to the line
+sweep_c2_t1_long() { c2_t1 20 2 sweep_c2_t1_long; }  # 20 x C prompts (the reference's count), 2 rounds
 for step in ${STEPS:-profile sweep_mixed rollout sweep_cross}; do
     "$step"
 done
