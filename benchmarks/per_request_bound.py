@@ -1,16 +1,18 @@
 """What per-request K could gain over one K for the batch, by the profile's own prices
 (results/RESULTS.md, "Mixed traffic"): half the requests accept as HumanEval does, half as
 MT-Bench does (each profile's acceptance per position, greedy), and every assignment of K is
-priced as the per-request rule prices it, ITL(bs, 0) + sum over draft positions j of
-ITL(m_j, j+1) - ITL(m_j, j) for the m_j requests drafting past j, on the profile's smoothed
-grid. The best uniform K (given to the first n requests, as the batch-level rule may) against the
-best K per request (exhaustive over a K per kind of request); catch-up left out (caught-up
-requests). Run: .venv/bin/python benchmarks/per_request_bound.py (a second)."""
+priced by the per-request rule's own terms (a fresh `GoodputK` on the profile: its `itl` and
+`_layer_cost`), ITL(bs, 0) + sum over draft positions j of ITL(m_j, j+1) - ITL(m_j, j) for the
+m_j requests drafting past j, on the profile's smoothed grid. The best uniform K (given to the
+first n requests, as the batch-level rule may) against the best K per request (exhaustive over a
+K per kind of request); catch-up left out (caught-up requests).
+Run: .venv/bin/python benchmarks/per_request_bound.py (a second)."""
 
 import argparse
 import itertools
 
-from dynaspec.kpolicy.profile import interpolate_itl, load_profile, smooth_itl
+from dynaspec.kpolicy.policy import GoodputK
+from dynaspec.kpolicy.profile import load_profile
 
 
 def main() -> None:
@@ -20,23 +22,17 @@ def main() -> None:
     p.add_argument("--chat", default="results/profile_qwen_pair_mtbench.json", help="chat acceptance")
     p.add_argument("--concurrency", default="2,4,8")
     args = p.parse_args()
-    grid = smooth_itl(load_profile(args.profile).batch_stats)
     code = load_profile(args.code).acceptance_rate_per_pos
     chat = load_profile(args.chat).acceptance_rate_per_pos
     max_k = min(len(code), len(chat))
-
-    def itl(bs: int, k: int) -> float:
-        value = interpolate_itl(grid, bs, k)
-        if value is None:
-            raise SystemExit(f"the profile's grid has no ITL({bs}, {k})")
-        return value
+    rule = GoodputK(load_profile(args.profile), max_k)  # no live traffic: the profile's prices
 
     def goodput(ks: list[int], alphas: list[list[float]]) -> float:
         """Tokens per second of a step where request i drafts ks[i], priced per draft layer."""
-        ms = itl(len(ks), 0)
-        for j in range(max(ks, default=0)):
-            m = sum(k > j for k in ks)
-            ms += max(0.0, itl(m, j + 1) - itl(m, j))
+        plain = rule.itl(len(ks), 0)
+        if plain is None:
+            raise SystemExit(f"no ITL({len(ks)}, 0) from the profile")
+        ms = plain + sum(rule._layer_cost(sum(k > j for k in ks), j) for j in range(max(ks, default=0)))
         tokens = len(ks) + sum(sum(a[:k]) for a, k in zip(alphas, ks))
         return 1000.0 * tokens / ms
 
