@@ -7,7 +7,7 @@
 # came later (all with THREADS=2; results/profile_ngram_auto.json is the n-gram profile that
 # `dynamic_config_path: "auto"` cached at 2 threads; the mixed sweeps' figures predate 812d2ab and lie
 # in results/before_scaled_decline/; sweep_c2_t1 repeats the sampled cross sweeps at C=2 with 4 rounds
-# and sweep_c2_t1_long with 20 x C prompts;
+# and sweep_c2_t1_long with 20 x C prompts, sweep_c148_t1_long the other concurrencies with 20 x C;
 # rollout64_catchup measures the drafter's catch-up in the step budget).
 # THREADS=1 (the default) runs on one pinned core with one torch thread and its own profile (as the
 # profile and mixed sweep were run, while the other core served other work); THREADS=2 runs on
@@ -101,17 +101,21 @@ rollout64_catchup() {  # rollout64's shape, none and fixed K=1 only: the drafter
         --result-file results/bench_rollout64_catchup.json --plot results/bench_rollout64_catchup.png 2>&1 \
         | grep -v "$QUIET" | tee results/bench_rollout64_catchup.log
 }
-c2_t1() {  # both sampled cross-dataset sweeps at C=2 only: $1 prompts per concurrency, $2 rounds, $3 file prefix
-    C2="--concurrency 2 --prompts-per-concurrency $1 --min-prompts 8 --max-tokens 128 --rounds $2 --temperature 1.0"
+cross_t1() {  # both sampled cross-dataset sweeps: $1 concurrencies, $2 prompts per concurrency, $3 rounds,
+    # $4 file prefix, $5 and $6 the fixed configurations beside the policies (on HumanEval, on MT-Bench)
+    CT="--concurrency $1 --prompts-per-concurrency $2 --min-prompts 8 --max-tokens 128 --rounds $3 --temperature 1.0"
     $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile results/profile_qwen_pair_mtbench.json \
-        --dataset humaneval $C2 --configs K=5,goodput,per-request --result-file results/$3_humaneval.json \
-        2>&1 | grep -v "$QUIET" | tee results/$3_humaneval.log
+        --dataset humaneval $CT --configs $5,goodput,per-request --result-file results/$4_humaneval.json --plot results/$4_humaneval.png \
+        2>&1 | grep -v "$QUIET" | tee results/$4_humaneval.log
     $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE \
-        --dataset mtbench $C2 --configs K=1,goodput,per-request --result-file results/$3_mtbench.json \
-        2>&1 | grep -v "$QUIET" | tee results/$3_mtbench.log
+        --dataset mtbench $CT --configs $6,goodput,per-request --result-file results/$4_mtbench.json --plot results/$4_mtbench.png \
+        2>&1 | grep -v "$QUIET" | tee results/$4_mtbench.log
 }
-sweep_c2_t1() { c2_t1 8 4 sweep_c2_t1; }  # 4 rounds of 4 prompts: the cells closest to the line
-sweep_c2_t1_long() { c2_t1 20 2 sweep_c2_t1_long; }  # 20 x C prompts (the reference's count), 2 rounds
+sweep_c2_t1() { cross_t1 2 8 4 sweep_c2_t1 K=5 K=1; }  # 4 rounds of 4 prompts: the cells closest to the line
+sweep_c2_t1_long() { cross_t1 2 20 2 sweep_c2_t1_long K=5 K=1; }  # 20 x C prompts (the reference's count)
+# the other concurrencies with 20 x C prompts, beside every fixed configuration that was best or
+# within 4% of the best at C = 1, 4 or 8 in the 8 x C sweeps of that direction (greedy or sampled)
+sweep_c148_t1_long() { cross_t1 1,4,8 20 2 sweep_c148_t1_long none,K=3,K=5 none,K=1,K=3; }
 for step in ${STEPS:-profile sweep_mixed rollout sweep_cross}; do
     "$step"
 done
