@@ -11,14 +11,15 @@ from dynaspec.sampling_params import SamplingParams
 
 
 class Recorder:
-    """A K policy that drafts 2 for every candidate it may and remembers what it was shown."""
+    """A K policy that drafts ``k`` (2) for every candidate it may and remembers what it was shown."""
 
-    def __init__(self):
+    def __init__(self, k=2):
         self.seen = []
+        self.k = k
 
     def choose(self, candidates):
         self.seen.append([c.decoding for c in candidates])
-        return 2, [2 if c.decoding else 0 for c in candidates]
+        return self.k, [self.k if c.decoding else 0 for c in candidates]
 
     def observe(self, record):
         pass
@@ -82,6 +83,20 @@ def test_drafts_yield_the_budget_to_pending_prefill_deepest_first():
     scheduler.add(request(3, prompt_len=400))  # a burst: more pending than the budget holds
     plan = scheduler.schedule(recorder)
     assert plan.k_caps == [0, 0] and sum(c.num_tokens for c in plan.prefills) == 120 - 2
+
+
+def test_a_request_near_its_end_leaves_the_draft_room_it_cannot_use_to_the_others():
+    scheduler = Scheduler(BlockAllocator(1024, 16), max_num_seqs=8, max_num_batched_tokens=120)
+    for i in range(2):
+        scheduler.add(request(i, prompt_len=50))
+    for chunk in scheduler.schedule(None).prefills:
+        chunk.request.num_computed_tokens += chunk.num_tokens
+        chunk.request.output_token_ids.append(7)
+    scheduler.running[1].output_token_ids.extend([7] * 17)  # r1: 2 of its 20 tokens left, room for 1 draft
+    scheduler.add(request(2, prompt_len=115))  # 115 pending: the 2 decodes' tokens leave 3 for drafts
+    plan = scheduler.schedule(Recorder(k=3))
+    # r1's 1 is taken out before the room is shared (sharing [3, 3] first gave [1, 2], then [1, 1])
+    assert plan.k_caps == [2, 1] and plan.prefills[0].num_tokens == 115
 
 
 def test_fit_drafts_equals_cutting_the_deepest_one_token_at_a_time():

@@ -2,16 +2,17 @@
 
 The scheduler owns requests and KV blocks, never tensors. Decoding requests run first, each with
 room reserved for K draft tokens; the rest of the token budget goes to prefill chunks, so a long
-prompt never stalls running decodes for more than one chunk. Drafts never take budget from
-pending prefill: when the prompts waiting or being prefilled need more than the decodes' own
-tokens leave of the budget (a burst, such as a rollout's start), the drafts are cut to what is
-left, deepest first. A draft row is worth at most one token and costs what a prompt token costs,
-and a prompt held back delays every token of its request. A draft model's catch-up (the tokens of
-a request it has not seen, a whole prompt when the request starts drafting) obeys the same token
-budget in the drafter's pass: requests whose catch-up does not fit draft in a later step (all but
-the oldest of them), so a batch that starts drafting at once (a burst clearing) catches up over
-several steps, not in one that stalls every request. When blocks run out, the newest running
-request is preempted (its blocks freed, recomputed later).
+prompt never stalls running decodes for more than one chunk. Drafts never take budget from pending
+prefill: when the prompts waiting or being prefilled need more than the decodes' own tokens leave
+of the budget (a burst, such as a rollout's start), the drafts are cut to what is left, deepest
+first, after each is capped at one token fewer than its request has left (so a request near its end
+leaves the room it cannot use to the others). A draft row is worth at most one token and costs what
+a prompt token costs, and a prompt held back delays every token of its request. A draft model's
+catch-up (the tokens of a request it has not seen, a whole prompt when the request starts drafting)
+obeys the same token budget in the drafter's pass: requests whose catch-up does not fit draft in a
+later step (all but the oldest of them), so a batch that starts drafting at once (a burst clearing)
+catches up over several steps, not in one that stalls every request. When blocks run out, the
+newest running request is preempted (its blocks freed, recomputed later).
 """
 
 from __future__ import annotations
@@ -72,9 +73,9 @@ class Scheduler:
         if k_policy is not None and decodes:
             pending = self._pending()
             chosen_k, wanted = k_policy.choose(self._load(decodes + pending))
-            backlog = sum(r.num_tokens - r.num_computed_tokens for r in pending)  # prompt tokens to prefill
-            wanted = fit_drafts(wanted[: len(decodes)], self.max_num_batched_tokens - len(decodes) - backlog)
             wanted = [min(w, max(0, r.tokens_left - 1)) for r, w in zip(decodes, wanted)]  # room to grow
+            backlog = sum(r.num_tokens - r.num_computed_tokens for r in pending)  # prompt tokens to prefill
+            wanted = fit_drafts(wanted, self.max_num_batched_tokens - len(decodes) - backlog)
             owed = [self.unseen_tokens(r) for r in decodes]
             wanted = fit_catchup(wanted, owed, self.max_num_batched_tokens)
             min_confidence = k_policy.min_draft_confidence()
