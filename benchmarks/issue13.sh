@@ -103,13 +103,14 @@ rollout64_catchup() {  # rollout64's shape, none and fixed K=1 only: the drafter
 }
 cross_t1() {  # both sampled cross-dataset sweeps: $1 concurrencies, $2 prompts per concurrency, $3 rounds,
     # $4 file prefix, $5 and $6 the fixed configurations beside the policies (on HumanEval, on MT-Bench)
-    CT="--concurrency $1 --prompts-per-concurrency $2 --min-prompts 8 --max-tokens 128 --rounds $3 --temperature 1.0"
+    CT="--concurrency $1 --prompts-per-concurrency $2 --min-prompts 8 --max-tokens 128 --rounds $3"
+    CT="$CT --temperature 1.0"
     $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile results/profile_qwen_pair_mtbench.json \
-        --dataset humaneval $CT --configs $5,goodput,per-request --result-file results/$4_humaneval.json --plot results/$4_humaneval.png \
-        2>&1 | grep -v "$QUIET" | tee results/$4_humaneval.log
+        --dataset humaneval $CT --configs $5,goodput,per-request --result-file results/$4_humaneval.json \
+        --plot results/$4_humaneval.png 2>&1 | grep -v "$QUIET" | tee results/$4_humaneval.log
     $D bench sweep --model $MODEL --speculative-config "$SPEC" --profile $PROFILE \
-        --dataset mtbench $CT --configs $6,goodput,per-request --result-file results/$4_mtbench.json --plot results/$4_mtbench.png \
-        2>&1 | grep -v "$QUIET" | tee results/$4_mtbench.log
+        --dataset mtbench $CT --configs $6,goodput,per-request --result-file results/$4_mtbench.json \
+        --plot results/$4_mtbench.png 2>&1 | grep -v "$QUIET" | tee results/$4_mtbench.log
 }
 sweep_c2_t1() { cross_t1 2 8 4 sweep_c2_t1 K=5 K=1; }  # 4 rounds of 4 prompts: the cells closest to the line
 sweep_c2_t1_long() { cross_t1 2 20 2 sweep_c2_t1_long K=5 K=1; }  # 20 x C prompts (the reference's count)

@@ -92,7 +92,9 @@ def test_a_request_near_its_end_leaves_the_draft_room_it_cannot_use_to_the_other
     for chunk in scheduler.schedule(None).prefills:
         chunk.request.num_computed_tokens += chunk.num_tokens
         chunk.request.output_token_ids.append(7)
-    scheduler.running[1].output_token_ids.extend([7] * 17)  # r1: 2 of its 20 tokens left, room for 1 draft
+    near_end = scheduler.running[1]
+    near_end.output_token_ids.extend([7] * 17)  # r1: 2 of its 20 tokens left, room for 1 draft
+    near_end.num_computed_tokens += 17
     scheduler.add(request(2, prompt_len=115))  # 115 pending: the 2 decodes' tokens leave 3 for drafts
     plan = scheduler.schedule(Recorder(k=3))
     # r1's 1 is taken out before the room is shared (sharing [3, 3] first gave [1, 2], then [1, 1])
