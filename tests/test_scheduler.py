@@ -66,17 +66,23 @@ def test_k_is_asked_for_the_load_while_arrivals_are_admitted_a_budget_at_a_time(
     assert second.prefills[0].request.request_id == "r2"
 
 
+def two_decoding():
+    """A scheduler with a 120-token budget whose two 50-token prompts are prefilled: both decode."""
+    scheduler = Scheduler(BlockAllocator(1024, 16), max_num_seqs=8, max_num_batched_tokens=120)
+    for i in range(2):
+        scheduler.add(request(i, prompt_len=50))
+    for chunk in scheduler.schedule(None).prefills:
+        chunk.request.num_computed_tokens += chunk.num_tokens
+        chunk.request.output_token_ids.append(7)
+    return scheduler
+
+
 def test_drafts_yield_the_budget_to_pending_prefill_deepest_first():
     assert fit_drafts([5, 2, 5, 0], 20) == [5, 2, 5, 0]  # they fit: unchanged
     assert fit_drafts([5, 2, 5, 0], 7) == [2, 2, 3, 0]  # cut deepest first (ties: the earlier)
     assert fit_drafts([3, 3], 0) == [0, 0] and fit_drafts([3], -5) == [0] and fit_drafts([], 4) == []
     recorder = Recorder()
-    scheduler = Scheduler(BlockAllocator(1024, 16), max_num_seqs=8, max_num_batched_tokens=120)
-    for i in range(2):
-        scheduler.add(request(i, prompt_len=50))
-    for chunk in scheduler.schedule(recorder).prefills:
-        chunk.request.num_computed_tokens += chunk.num_tokens
-        chunk.request.output_token_ids.append(7)
+    scheduler = two_decoding()
     scheduler.add(request(2, prompt_len=115))  # 115 pending: the 2 decodes' tokens leave 3 for drafts
     plan = scheduler.schedule(recorder)
     assert plan.k_caps == [1, 2] and plan.prefills[0].num_tokens == 115
@@ -86,12 +92,7 @@ def test_drafts_yield_the_budget_to_pending_prefill_deepest_first():
 
 
 def test_a_request_near_its_end_leaves_the_draft_room_it_cannot_use_to_the_others():
-    scheduler = Scheduler(BlockAllocator(1024, 16), max_num_seqs=8, max_num_batched_tokens=120)
-    for i in range(2):
-        scheduler.add(request(i, prompt_len=50))
-    for chunk in scheduler.schedule(None).prefills:
-        chunk.request.num_computed_tokens += chunk.num_tokens
-        chunk.request.output_token_ids.append(7)
+    scheduler = two_decoding()
     near_end = scheduler.running[1]
     near_end.output_token_ids.extend([7] * 17)  # r1: 2 of its 20 tokens left, room for 1 draft
     near_end.num_computed_tokens += 17
