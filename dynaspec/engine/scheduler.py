@@ -72,11 +72,12 @@ class Scheduler:
         chosen_k, wanted, min_confidence = 0, [0] * len(decodes), 0.0
         if k_policy is not None and decodes:
             pending = self._pending()
-            chosen_k, wanted = k_policy.choose(self._load(decodes + pending))
+            load = self._load(decodes + pending)
+            chosen_k, wanted = k_policy.choose(load)
             wanted = [min(w, max(0, r.tokens_left - 1)) for r, w in zip(decodes, wanted)]  # room to grow
             backlog = sum(r.num_tokens - r.num_computed_tokens for r in pending)  # prompt tokens to prefill
             wanted = fit_drafts(wanted, self.max_num_batched_tokens - len(decodes) - backlog)
-            owed = [self.unseen_tokens(r) for r in decodes]
+            owed = [c.unseen_tokens for c in load[: len(decodes)]]  # the decodes come first
             wanted = fit_catchup(wanted, owed, self.max_num_batched_tokens)
             min_confidence = k_policy.min_draft_confidence()
         k_caps: dict[str, int] = {}
