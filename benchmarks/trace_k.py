@@ -12,9 +12,10 @@ import argparse
 import time
 from collections import Counter
 
+from dynaspec.bench.common import k_policies
 from dynaspec.datasets import load_prompts
 from dynaspec.engine.engine import Engine, EngineConfig
-from dynaspec.kpolicy.policy import FixedK, GoodputK
+from dynaspec.kpolicy.policy import GoodputK
 from dynaspec.kpolicy.profile import load_profile
 from dynaspec.sampling_params import SamplingParams
 
@@ -26,19 +27,17 @@ SPEC = {
 }
 
 
-def policies(profile) -> dict:
-    return {
-        "goodput": lambda: GoodputK(profile, 5, 3, per_request=False),
-        "per-request": lambda: GoodputK(profile, 5, 3, per_request=True),
-        "per-request-conf0": lambda: GoodputK(profile, 5, 3, per_request=True, min_confidence=0.0),
-    }
-
-
-def fixed_or_named(makers: dict, name: str):
-    if name in makers:
-        return makers[name]
-    k = int(name.removeprefix("K="))
-    return lambda: FixedK(k)
+def policies(profile, names: list[str]) -> dict:
+    """The configurations by name, as the benchmarks define them (`k_policies`: K=k, goodput, the
+    batch-level rule without confidence stops, and per-request), and per-request-conf0 (per-request
+    K without confidence stops)."""
+    fixed = [int(n.removeprefix("K=")) for n in names if n.startswith("K=")]
+    makers = k_policies(fixed, profile, 5, 3)
+    makers["per-request-conf0"] = lambda: GoodputK(profile, 5, 3, per_request=True, min_confidence=0.0)
+    unknown = [n for n in names if n not in makers]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {', '.join(unknown)} (choose from {', '.join(makers)})")
+    return makers
 
 
 def run_round(engine, policy, prompts, args, seed_base: int, plans: list, t: dict) -> None:
@@ -92,8 +91,8 @@ def main() -> None:
     args = p.parse_args()
 
     engine = Engine(EngineConfig(model="qwen2.5-coder-1.5b-instruct", speculative_config=SPEC))
-    makers = policies(load_profile(args.profile))
     names = args.configs.split(",")
+    makers = policies(load_profile(args.profile), names)
     prompts = load_prompts(args.dataset, chat=True)[: args.prompts]
     plans = []  # every step's plan, recorded as the scheduler makes it
     schedule = engine.scheduler.schedule
@@ -105,7 +104,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         for name in names if rnd % 2 == 0 else names[::-1]:
             print(f"round {rnd} {name}:", end="", flush=True)
-            run_round(engine, fixed_or_named(makers, name)(), prompts, args, rnd * 1000, plans, totals[name])
+            run_round(engine, makers[name](), prompts, args, rnd * 1000, plans, totals[name])
     for name in names:
         t = totals[name]
         print(
