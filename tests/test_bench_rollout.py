@@ -9,13 +9,18 @@ from dynaspec.cli import main
 from dynaspec.kpolicy.profile import Profile, derive_table, save_profile
 
 
-def test_rollout_tiny(tmp_path, target_dir):
+def tiny_inputs(tmp_path):
     stats = {1: {0: 1.0, 1: 1.1, 2: 1.2}, 8: {0: 1.2, 1: 2.0, 2: 3.0}}
     alpha = [0.9, 0.8]
     profile = tmp_path / "profile.json"
     save_profile(Profile(2, alpha, stats, derive_table(alpha, stats, 2)), profile)
     prompts = tmp_path / "p.txt"
     prompts.write_text("def f(x):\nclass A:\nimport os\nfor i in range(3):\n")
+    return profile, prompts
+
+
+def test_rollout_tiny(tmp_path, target_dir):
+    profile, prompts = tiny_inputs(tmp_path)
     result, plot = tmp_path / "rollout.json", tmp_path / "rollout.png"
     spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 2}
     rc = main(
@@ -49,6 +54,28 @@ def test_rollout_tiny(tmp_path, target_dir):
     model = report["model"]["makespan_s"]  # the profile's prediction, with this run's acceptance
     assert set(model) == {"none", "K=1", "K=2", "best K per batch size"}
     assert model["best K per batch size"] <= min(model[c] for c in ("none", "K=1", "K=2")) + 1e-9
+
+
+def test_rollout_runs_each_policy_again_with_a_draft_context_window(tmp_path, target_dir):
+    profile, prompts = tiny_inputs(tmp_path)
+    result = tmp_path / "rollout.json"
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 2}
+    rc = main(
+        [
+            "bench", "rollout", "--model", str(target_dir), "--dtype", "float32",
+            "--kv-cache-memory-gb", "0.02", "--speculative-config", json.dumps(spec),
+            "--profile", str(profile), "--dataset", str(prompts), "--num-prompts", "4",
+            "--lengths", "longtail", "--median-tokens", "6", "--max-tokens", "16", "--fixed-ks", "",
+            "--draft-context-window", "2", "--result-file", str(result),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    report = json.loads(result.read_text())
+    rows = {r["config"]: r for r in report["rows"]}
+    policies = ("table", "goodput", "per-request")
+    assert set(rows) == {"none", *policies, *(f"{p} w=2" for p in policies)}
+    assert all(r["output_tokens"] == sum(report["lengths"]) for r in rows.values())
+    assert report["model"] is None  # no fixed K ran, so no acceptance to model with
 
 
 def test_modelled_makespans_pick_k_by_batch_size():

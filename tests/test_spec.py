@@ -202,3 +202,83 @@ def test_per_request_goodput_with_auto_confidence_equals_plain(
     snapshot = engine.stats()["spec"]["policy"]
     assert snapshot["per_request"] and engine.stats()["spec"]["num_draft_tokens"] > 0
     assert 0.0 <= snapshot["min_draft_confidence"] <= 0.8
+
+
+def test_a_windowed_drafter_is_lossless_when_it_skips_what_it_missed(target_dir, draft_dir, plain):
+    """A 3-token window (and 4 sink tokens) is shorter than most prompts; at 3 or more requests K is
+    0, so requests build gaps the drafter later skips when the batch thins."""
+    spec = {
+        "method": "draft_model",
+        "model": str(draft_dir),
+        "num_speculative_tokens": 3,
+        "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 256, 0]],
+        "hysteresis_steps": 1,
+        "draft_context_window": 3,
+    }
+    engine = spec_engine(target_dir, spec)
+    shifts = []
+    catchup = engine.proposer._catchup
+
+    def spy(request):
+        ids, shift = catchup(request)
+        shifts.append(shift)
+        return ids, shift
+
+    engine.proposer._catchup = spy
+    assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
+    assert engine.stats()["spec"]["num_draft_tokens"] > 0
+    assert len(set(shifts)) >= 3  # skipped at least twice: new prompts, and gaps after K=0
+
+
+def test_a_windowed_drafter_drafts_from_the_first_tokens_and_the_window(target_dir):
+    """The target as its own drafter, window 6: every draft is the model's greedy continuation of
+    what the drafter read (its first 4 tokens, then from the window's start on), through a first
+    skip over the prompt and a second over output generated while K was 0."""
+    from dynaspec.kpolicy.policy import FixedK
+    from dynaspec.spec_decode.draft_model import SINK_TOKENS
+
+    window = 6
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 2}
+    engine = spec_engine(target_dir, spec | {"draft_context_window": window})
+    proposer = engine.proposer
+    steps = []  # (context, tokens the drafter had read, drafts)
+    propose = proposer.propose
+
+    def spy(plan, sampling):
+        if not plan.k:
+            return propose(plan, sampling)
+        r = plan.decodes[0]
+        done = proposer.num_computed.get(r.request_id, 0)
+        drafts = propose(plan, sampling)
+        drafted = drafts.token_ids[0, : drafts.draft_lens[0]].tolist()
+        steps.append((r.token_at(0, r.num_tokens), done, drafted))
+        return drafts
+
+    proposer.propose = spy
+    prompt = "Hello, world! How are you today? I am fine, thank you. And you?"
+    request = engine.add_request(prompt, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+    for step in range(60):
+        if not engine.has_unfinished():
+            break
+        engine.set_k_policy(FixedK(0 if 4 <= step < 16 else 2))  # a gap of 12 steps without drafting
+        engine.step()
+    assert not engine.has_unfinished() and len(request.output_token_ids) == 48
+
+    reference = make_engine(target_dir)
+    read: list[int] = []  # positions of the context the drafter holds, in its cache's order
+    skips = 0
+    for context, done, drafts in steps:
+        n = len(context)
+        read = [p for p in read if p < done]  # and the drafts it was fed and the target accepted:
+        read += range(read[-1] + 1 if read else 0, done)
+        if n - window > max(done, SINK_TOKENS):
+            skips += 1
+            read += list(range(done, SINK_TOKENS)) + list(range(n - window, n))
+        else:
+            read += list(range(done, n))
+        params = SamplingParams(max_tokens=len(drafts), temperature=0.0, ignore_eos=True)
+        expected = reference.add_request([context[p] for p in read], params)
+        while reference.has_unfinished():
+            reference.step()
+        assert drafts and drafts == expected.output_token_ids
+    assert skips == 2

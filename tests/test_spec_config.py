@@ -50,6 +50,7 @@ def test_json_string_dict_and_file(tmp_path):
         ({"hysteresis_steps": 0}, "hysteresis_steps"),
         ({"draft_quantization": "int3"}, "draft_quantization"),
         ({"draft_vocab_size": 0}, "draft_vocab_size"),
+        ({"draft_context_window": 0}, "draft_context_window"),
         ({"colour": "blue"}, "colour"),
     ],
 )
@@ -61,6 +62,8 @@ def test_malformed_field_is_named(change, field):
 def test_ngram_rules():
     with pytest.raises(ValueError, match="^speculative_config.model:"):
         SpeculativeConfig.parse({"method": "ngram", "model": "x", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="^speculative_config.draft_context_window: only applies"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "draft_context_window": 64})
     with pytest.raises(ValueError, match="^speculative_config.prompt_lookup_min:"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5})
     with pytest.raises(ValueError, match="^speculative_config.method:"):

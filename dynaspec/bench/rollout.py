@@ -44,7 +44,13 @@ def add_parser(sub) -> None:
         help="longtail: the log-normal's sigma (larger: a longer tail of a few long requests)",
     )
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--fixed-ks", default="1,3,5")
+    p.add_argument("--fixed-ks", default="1,3,5", help="fixed K configurations ('' for none)")
+    p.add_argument(
+        "--draft-context-window",
+        type=int,
+        default=None,
+        help="also run every speculative configuration with this draft_context_window (named '... w=N')",
+    )
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--rollout-seed", type=int, default=0, help="lengths and per-request sampling seeds")
     p.add_argument("--result-file", default="results/bench_rollout.json")
@@ -184,7 +190,13 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile) if args.profile else None
     max_k = max([*fixed_ks, profile.max_num_speculative_tokens if profile else 1])
     policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
-    configs = ["none", *policies]
+    window = args.draft_context_window
+    spec_engines = {"": {}} | ({f" w={window}": {"draft_context_window": window}} if window else {})
+    # config name -> (engine, K policy factory); "none" runs on an engine without a drafter
+    plan = {"none": ("none", None)} | {
+        name + suffix: (suffix, factory) for suffix in spec_engines for name, factory in policies.items()
+    }
+    configs = list(plan)
 
     kwargs = engine_kwargs(args)
     kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], args.num_prompts)
@@ -192,10 +204,11 @@ def run(args: argparse.Namespace) -> int:
     spec_dict = {**spec.to_dict(), "num_speculative_tokens": max_k}
     spec_dict.pop("num_speculative_tokens_per_batch_size", None)
     spec_dict.pop("dynamic_config_path", None)
-    engines = {
-        "none": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None})),
-        "spec": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict})),
-    }
+    engines = {"none": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None}))}
+    for suffix, extra in spec_engines.items():
+        engines[suffix] = Engine(
+            EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict | extra})
+        )
     all_prompts = load_prompts(args.dataset, chat=True)
     prompts = [all_prompts[i % len(all_prompts)] for i in range(args.num_prompts)]
     caps = lengths_for(args, len(prompts))
@@ -214,9 +227,10 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, list[dict]] = {c: [] for c in configs}
     for rnd in range(args.rounds):
         for name in configs if rnd % 2 == 0 else configs[::-1]:
-            engine = engines["none" if name == "none" else "spec"]
-            if name != "none":
-                engine.set_k_policy(_Traced(policies[name]()))
+            key, factory = plan[name]
+            engine = engines[key]
+            if factory is not None:
+                engine.set_k_policy(_Traced(factory()))
             results[name].append(rollout(engine, prompts, params))
             done = results[name][-1]
             print(f"round {rnd + 1} {name}: makespan {done['finish'][-1]:.1f} s", flush=True)
@@ -242,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
                 "rounds": [{"finish_s": r["finish"], "series": r["series"]} for r in runs],
             }
         )
-    best_fixed = min(r[1] for r in rows if r[0] not in ("table", *DYNAMIC_CONFIGS))
+    best_fixed = min(r[1] for r in rows if r[0].split(" ")[0] not in ("table", *DYNAMIC_CONFIGS))
     for row in rows:
         row.append(row[1] / best_fixed)
     columns = ["config", "makespan s", "50% s", "90% s", "tok/s", "longest step s", "vs best fixed"]

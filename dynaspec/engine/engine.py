@@ -129,7 +129,11 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks * config.block_size, config.block_size, kv_dtype, device)
         self.proposer.allocate_kv(num_blocks * config.block_size)
         self.scheduler = Scheduler(
-            self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.proposer.unseen_tokens
+            self.allocator,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.proposer.unseen_tokens,
+            self.proposer.catchup_tokens,
         )
         self._recordings: list[Recording] = []  # open ``recording()`` blocks
         self.device = device

@@ -40,12 +40,15 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         unseen_tokens: Callable[[Request], int] = lambda request: 0,
+        catchup_tokens: Callable[[int], int] = lambda context_tokens: context_tokens,
     ) -> None:
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # tokens the proposer must catch up on before it can draft for a request (0 for ngram)
         self.unseen_tokens = unseen_tokens
+        # what catching up on a new request's prompt of n tokens would make it read (its window)
+        self.catchup_tokens = catchup_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._released: list[str] = []
@@ -134,7 +137,7 @@ class Scheduler:
             DraftCandidate(
                 unseen_tokens=self.unseen_tokens(r),
                 tokens_left=r.tokens_left,
-                prompt_tokens=len(r.prompt_token_ids),
+                prompt_tokens=self.catchup_tokens(len(r.prompt_token_ids)),
                 max_tokens=r.params.max_tokens,
                 decoding=r.is_decoding,
                 request_id=r.request_id,

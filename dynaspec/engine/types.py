@@ -161,7 +161,7 @@ class DraftCandidate:
 
     unseen_tokens: int  # tokens the proposer must process before drafting (1 when caught up)
     tokens_left: int  # tokens the request may still generate
-    prompt_tokens: int = 0  # its prompt: about what the request taking over its slot will cost to catch up on
+    prompt_tokens: int = 0  # what the drafter reads of its prompt: about what a request taking its slot costs
     max_tokens: int = 1  # its whole output budget, over which that catch-up is repaid
     decoding: bool = (
         True  # False while its prompt is being prefilled (or it waits): it counts, cannot draft yet

@@ -39,6 +39,8 @@ class SpeculativeConfig:
     draft_vocab_size: int | None = Field(
         default=None, ge=1
     )  # keep only the first N rows of the drafter's head
+    # a drafter more than N tokens behind a request reads its first tokens and its last N, not all
+    draft_context_window: int | None = Field(default=None, ge=1)
 
     @field_validator(TABLE)
     @classmethod
@@ -56,7 +58,7 @@ class SpeculativeConfig:
                 "model: required for method draft_model: a pack name, HF directory or .gguf file"
             )
         if self.method != "draft_model":
-            for name in ("model", "draft_quantization", "draft_vocab_size"):
+            for name in ("model", "draft_quantization", "draft_vocab_size", "draft_context_window"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}: only applies to method draft_model")
         if self.num_speculative_tokens is None and self.dynamic_config_path is None:

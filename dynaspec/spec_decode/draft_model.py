@@ -5,6 +5,13 @@ remembers how many tokens its cache holds; a step first catches up on the tokens
 (the target's last accepted tokens, or a whole prompt) in one varlen pass that yields draft 1,
 then runs K - 1 single-token passes. After verification, the drafter's K/V for accepted drafts
 stays valid and the rest is simply overwritten later.
+
+With ``draft_context_window: W`` a drafter that has fallen more than W tokens behind a request (a
+new prompt, or output generated while K was 0, as in a rollout's drain) does not read all of it:
+it reads the context's first ``SINK_TOKENS`` if it lacks them and the last W tokens, and skips the
+rest. Its cache indices (and RoPE positions) close up over the gap, so from then on a request's
+token at position p sits at index p - shift in the drafter (StreamingLLM's window with attention
+sinks). Drafts may get worse; verification keeps the output lossless either way.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from dynaspec.engine.types import DraftPass, Drafts, SchedulePlan, StepResult
 from dynaspec.models.build import effective_quantization
 from dynaspec.models.loader import compute_dtypes, load_model, resolve_model
 from dynaspec.spec_decode.proposer import Proposer, ProposerContext, register_proposer
+
+SINK_TOKENS = 4  # a windowed catch-up keeps the context's first tokens: attention leans on them
 
 
 @register_proposer("draft_model")
@@ -43,12 +52,40 @@ class DraftModelProposer(Proposer):
         )
         self.vocab_size = self.model.config.vocab_size  # the verifier's q needs the full vocabulary
         self.runner: ModelRunner | None = None
-        self.num_computed: dict[str, int] = {}  # request id -> tokens whose draft K/V is valid
+        self.window = spec_config.draft_context_window
+        self.num_computed: dict[str, int] = {}  # request id -> tokens the drafter has read or skipped
+        self.shift: dict[str, int] = {}  # request id -> tokens skipped: position p sits at index p - shift
         self.fed_drafts: dict[str, int] = {}  # of the step being verified: request id -> drafts fed
 
     def unseen_tokens(self, request) -> int:
-        """Tokens to feed before drafting for ``request``: 1 when caught up, its whole prompt when new."""
-        return request.num_tokens - self.num_computed.get(request.request_id, 0)
+        """Tokens to feed before drafting for ``request``: 1 when caught up, its whole prompt when new
+        (at most ``SINK_TOKENS`` + the window when there is one)."""
+        return self._reads(request.num_tokens, self.num_computed.get(request.request_id, 0))
+
+    def catchup_tokens(self, context_tokens: int) -> int:
+        return self._reads(context_tokens, 0)
+
+    def _reads(self, num_tokens: int, done: int) -> int:
+        """Tokens a catch-up from ``done`` to ``num_tokens`` reads."""
+        if self._skips(num_tokens, done):
+            return max(0, SINK_TOKENS - done) + self.window
+        return num_tokens - done
+
+    def _skips(self, num_tokens: int, done: int) -> bool:
+        """Whether a catch-up from ``done`` to ``num_tokens`` skips tokens between the sinks (or
+        what the drafter has) and the window."""
+        return self.window is not None and num_tokens - self.window > max(done, SINK_TOKENS)
+
+    def _catchup(self, request) -> tuple[list[int], int]:
+        """(tokens the drafter reads before drafting for ``request``, the shift after reading them)."""
+        done = self.num_computed.get(request.request_id, 0)
+        shift = self.shift.get(request.request_id, 0)
+        n = request.num_tokens
+        if not self._skips(n, done):
+            return request.token_at(done, n), shift
+        tail = n - self.window
+        head = request.token_at(done, SINK_TOKENS) if done < SINK_TOKENS else []  # done < SINK: shift 0
+        return head + request.token_at(tail, n), tail - (done - shift + len(head))
 
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.model.config, self.kv_dtype)
@@ -78,24 +115,21 @@ class DraftModelProposer(Proposer):
         runs = []
         for i in active:
             r = plan.decodes[i]
-            done = self.num_computed.get(r.request_id, 0)
-            runs.append(
-                TokenRun(r.token_at(done, r.num_tokens), done, r.block_ids, [r.num_tokens - done - 1])
-            )
+            ids, shift = self._catchup(r)
+            # the catch-up ends at index num_tokens - 1 - shift, the index of the token draft 1 follows
+            index = r.num_tokens - shift - len(ids)
+            runs.append(TokenRun(ids, index, r.block_ids, [len(ids) - 1]))
+            self.shift[r.request_id] = shift
         for j in range(k):
             if j > 0:  # feed draft j-1 of the requests that still draft at j
                 active = [i for i in active if plan.k_caps[i] > j and lens[i] == j]
                 if not active:
                     break
-                runs = [
-                    TokenRun(
-                        [int(tokens[i, j - 1])],
-                        plan.decodes[i].num_tokens + j - 1,
-                        plan.decodes[i].block_ids,
-                        [0],
-                    )
-                    for i in active
-                ]
+                runs = []
+                for i in active:
+                    r = plan.decodes[i]
+                    index = r.num_tokens + j - 1 - self.shift.get(r.request_id, 0)
+                    runs.append(TokenRun([int(tokens[i, j - 1])], index, r.block_ids, [0]))
             start = time.perf_counter()
             logits = self.runner.run(runs)[:, None, :]  # [len(active), 1, vocab]
             rows = len(runs)
@@ -152,3 +186,4 @@ class DraftModelProposer(Proposer):
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.num_computed.pop(rid, None)
+            self.shift.pop(rid, None)

@@ -52,6 +52,11 @@ class Proposer:
         """Tokens it must process before it can draft for ``request`` (1 when caught up)."""
         return 0
 
+    def catchup_tokens(self, context_tokens: int) -> int:
+        """Tokens it would process to catch up on a context of this many tokens it has not seen
+        (a new request's prompt)."""
+        return 0
+
     def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
         """Up to ``plan.k_caps[i]`` draft tokens for each decode; nothing runs when ``plan.k == 0``."""
         return self.no_drafts(plan)
