@@ -5,11 +5,12 @@
 # sweep_mixed_t1, rollout_code, profile_mtbench, sweep_cross_reverse (profiled on MT-Bench, run on
 # HumanEval), sweep_cross_reverse_t1 and sweep_cross_t1 (both directions sampled at temperature 1.0)
 # came later (all with THREADS=2; results/profile_ngram_auto.json is the n-gram profile that
-# `dynamic_config_path: "auto"` cached at 2 threads; the mixed sweeps' figures predate 812d2ab and lie
-# in results/before_scaled_decline/; sweep_c2_t1 repeats the sampled cross sweeps at C=2 with 4 rounds
-# and sweep_c2_t1_long with 20 x C prompts, sweep_c148_t1_long the other concurrencies with 20 x C;
-# rollout64_catchup measures the drafter's catch-up in the step budget; rollout_code_window runs
-# rollout_code's policies with and without a draft context window).
+# `dynamic_config_path: "auto"` cached at 2 threads; the mixed sweeps' first figures predate 812d2ab
+# and lie in results/before_scaled_decline/, their re-run at c37cb01 in results/; sweep_c2_t1
+# repeats the sampled cross sweeps at C=2 with 4 rounds and sweep_c2_t1_long with 20 x C prompts,
+# sweep_c148_t1_long the other concurrencies with 20 x C; rollout64_catchup measures the drafter's
+# catch-up in the step budget; rollout_code_window runs rollout_code's policies with and without a
+# draft context window).
 # THREADS=1 (the default) runs on one pinned core with one torch thread and its own profile (as the
 # profile and mixed sweep were run, while the other core served other work); THREADS=2 runs on
 # both cores with the 2-thread profile results/profile_qwen_pair_humaneval.json (as the rollout and
@@ -119,10 +120,11 @@ sweep_c2_t1_long() { cross_t1 2 20 2 sweep_c2_t1_long K=5 K=1; }  # 20 x C promp
 # within 4% of the best at C = 1, 4 or 8 in the 8 x C sweeps of that direction (greedy or sampled)
 sweep_c148_t1_long() { cross_t1 1,4,8 20 2 sweep_c148_t1_long none,K=3,K=5 none,K=1,K=3; }
 rollout_code_window() {  # rollout_code's shape (none was its best fixed by 18%), each policy also with
-    # draft_context_window 64: the tail's catch-up reads 68 tokens per request instead of 300-700
+    # draft_context_window 64 on the same engine: the tail's catch-up reads 68 tokens per request
+    # instead of 300-700. Two rounds (about 30 minutes)
     $D bench rollout --model $MODEL --speculative-config "$SPEC" --profile $PROFILE --dataset humaneval \
         --num-prompts 64 --lengths longtail --median-tokens 32 --length-sigma 1.2 --max-tokens 1024 \
-        --fixed-ks "" --draft-context-window 64 --rounds 1 --result-file results/bench_rollout_code_window.json \
+        --fixed-ks "" --draft-context-window 64 --rounds 2 --result-file results/bench_rollout_code_window.json \
         --plot results/bench_rollout_code_window.png 2>&1 | grep -v "$QUIET" | tee results/bench_rollout_code_window.log
 }
 for step in ${STEPS:-profile sweep_mixed rollout sweep_cross}; do

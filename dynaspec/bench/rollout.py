@@ -49,7 +49,8 @@ def add_parser(sub) -> None:
         "--draft-context-window",
         type=int,
         default=None,
-        help="also run every speculative configuration with this draft_context_window (named '... w=N')",
+        help="also run every speculative configuration with this draft_context_window (named '... w=N'), "
+        "on the same engine",
     )
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--rollout-seed", type=int, default=0, help="lengths and per-request sampling seeds")
@@ -191,10 +192,15 @@ def run(args: argparse.Namespace) -> int:
     max_k = max([*fixed_ks, profile.max_num_speculative_tokens if profile else 1])
     policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
     window = args.draft_context_window
-    spec_engines = {"": {}} | ({f" w={window}": {"draft_context_window": window}} if window else {})
-    # config name -> (engine, K policy factory); "none" runs on an engine without a drafter
-    plan = {"none": ("none", None)} | {
-        name + suffix: (suffix, factory) for suffix in spec_engines for name, factory in policies.items()
+    if window is not None and (spec.method != "draft_model" or window < 1):
+        raise ValueError("--draft-context-window: a positive token count, for method draft_model only")
+    # config name -> (K policy factory, the drafter's context window); "none" runs on an engine
+    # without a drafter, the rest share one, whose window is set before each run
+    windows = [spec.draft_context_window] + ([window] if window else [])
+    plan = {"none": (None, None)} | {
+        name + (f" w={w}" if w != windows[0] else ""): (factory, w)
+        for w in windows
+        for name, factory in policies.items()
     }
     configs = list(plan)
 
@@ -204,11 +210,10 @@ def run(args: argparse.Namespace) -> int:
     spec_dict = {**spec.to_dict(), "num_speculative_tokens": max_k}
     spec_dict.pop("num_speculative_tokens_per_batch_size", None)
     spec_dict.pop("dynamic_config_path", None)
-    engines = {"none": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None}))}
-    for suffix, extra in spec_engines.items():
-        engines[suffix] = Engine(
-            EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict | extra})
-        )
+    engines = {
+        "none": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None})),
+        "spec": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict})),
+    }
     all_prompts = load_prompts(args.dataset, chat=True)
     prompts = [all_prompts[i % len(all_prompts)] for i in range(args.num_prompts)]
     caps = lengths_for(args, len(prompts))
@@ -227,10 +232,11 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, list[dict]] = {c: [] for c in configs}
     for rnd in range(args.rounds):
         for name in configs if rnd % 2 == 0 else configs[::-1]:
-            key, factory = plan[name]
-            engine = engines[key]
+            factory, w = plan[name]
+            engine = engines["none" if factory is None else "spec"]
             if factory is not None:
                 engine.set_k_policy(_Traced(factory()))
+                engine.proposer.window = w  # no request is running: each catches up afresh
             results[name].append(rollout(engine, prompts, params))
             done = results[name][-1]
             print(f"round {rnd + 1} {name}: makespan {done['finish'][-1]:.1f} s", flush=True)
