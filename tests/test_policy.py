@@ -31,11 +31,13 @@ def profile(alpha=ALPHA, stats=STATS, max_k=4) -> Profile:
     return Profile(max_k, list(alpha), {bs: dict(row) for bs, row in stats.items()})
 
 
-def test_itl_interpolates_between_and_clamps_outside():
+def test_itl_interpolates_between_extends_above_and_clamps_below():
     assert interpolate_itl(STATS, 1, 2) == 108.0
     assert interpolate_itl(STATS, 4, 0) == pytest.approx(100 + 20 * 3 / 7)
     assert interpolate_itl(STATS, 20, 4) == pytest.approx(260 + 590 * 12 / 24)
-    assert interpolate_itl(STATS, 1000, 1) == 400.0  # clamped above
+    assert interpolate_itl(STATS, 64, 1) == pytest.approx(400 + 250 / 24 * 32)  # the last segment's slope
+    assert interpolate_itl({8: {0: 90.0}, 16: {0: 80.0}}, 32, 0) == 80.0  # never downwards
+    assert interpolate_itl({16: {0: 80.0}}, 32, 0) == 80.0  # one size: held
     assert interpolate_itl({2: {0: 50.0}}, 1, 0) == 50.0  # clamped below
     assert interpolate_itl(STATS, 4, 9) is None  # K never profiled
 
@@ -126,6 +128,18 @@ def test_table_semantics_gap_above_and_clamp():
     assert policy.k_for_batch(1) == 3  # clamped to num_speculative_tokens
     assert policy.k_for_batch(10) == 2 and policy.k_for_batch(0) == 0
     assert FixedK(3).k_for_batch(7) == 3 and FixedK(3).k_for_batch(0) == 0
+
+
+def test_a_derived_table_goes_past_the_grid_along_its_slopes():
+    """Drafting pays at the largest profiled batch size, but each request costs a drafting step
+    twice what it costs a plain one, so past the grid K=1 stops paying (holding the last row's
+    times would keep K=1 forever)."""
+    grid = {8: {0: 100.0, 1: 110.0}, 16: {0: 120.0, 1: 150.0}}
+    assert derive_table([0.5], grid, 1)[-1] == [1, 16, 1]
+    table = derive_table([0.5], grid, 1, up_to=64)
+    assert table[0] == [1, table[0][1], 1] and table[-1][1:] == [64, 0]
+    # K=1 pays while 1.5 bs / (150 + 5 (bs - 16)) > bs / (120 + 2.5 (bs - 16)): below bs 40 (a tie)
+    assert table[-1][0] == 40
 
 
 def test_profile_round_trip_and_derived_table(tmp_path):

@@ -57,10 +57,11 @@ def test_profile_then_goodput_engine(tmp_path, target_dir):
     assert len(profile.acceptance_rate_per_pos) == 3 and profile.acceptance_rate_per_pos[0] > 0
     assert profile.meta["settings"]["rounds"] == 2
     assert profile.num_speculative_tokens_per_batch_size[0][:1] == [1]
-    # the table is goodput's own choice on the measured data (which K wins is up to the timings)
-    assert profile.num_speculative_tokens_per_batch_size == derive_table(
-        profile.acceptance_rate_per_pos, profile.batch_stats, 3
-    )
+    # the table is goodput's own choice on the measured data (which K wins is up to the timings),
+    # up to the engine's max_num_seqs (32 by default) on the grid extended past batch size 4
+    table = profile.num_speculative_tokens_per_batch_size
+    assert table == derive_table(profile.acceptance_rate_per_pos, profile.batch_stats, 3, 32)
+    assert table[-1][1] == 32
     assert plot.stat().st_size > 10_000
 
     engine = make_engine(target_dir, speculative_config={**spec, "dynamic_config_path": str(out)})
@@ -89,6 +90,19 @@ def test_itl_cells_are_visited_in_rounds_and_catchup_is_timed_on_lent_blocks(tar
     assert [rows for rows, _, _ in passes] == [1, 1, 3, 3]  # catchup_repeats=2 per size
     assert all(extra > 0 and ms > 0 for _, extra, ms in passes)
     assert engine.allocator.num_free == free  # lent blocks given back
+
+
+def test_an_ngram_cell_times_every_row_drafting_its_whole_k(target_dir):
+    """A lookup without a match proposes nothing (on the tiny model's random text, no row would
+    draft at all); the profiler fills the rows, so the step timed at K verifies bs x (K+1) tokens,
+    and drafts stop being filled once it is done."""
+    engine = make_engine(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    settings = ProfileSettings(batch_sizes=[1, 3], max_k=2, warmup_steps=1, measured_steps=1, rounds=1)
+    timings = []
+    measure_itl(engine, PROMPTS, settings, progress=False, timings=timings)
+    verified = [t.verify_tokens for t in timings if t.prefill_tokens == 0]
+    assert verified == [bs * (k + 1) for bs in (1, 3) for k in (0, 1, 2) for _ in range(2)]
+    assert engine.proposer.fill_drafts is False
 
 
 def test_profile_refuses_bad_rounds(tmp_path, target_dir, capsys):

@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 AUTO = "auto"  # dynamic_config_path: profile on first use, cached
 AUTO_MAX_K = 5  # the largest K an auto profile measures unless num_speculative_tokens says otherwise
+# how profiles are measured, in the auto profile's key: 2 = n-gram rows filled when timed (a
+# cached profile of an earlier version is measured again), batch sizes to 32
+PROFILER_VERSION = 2
 
 
 @dataclass(slots=True)
@@ -97,7 +100,13 @@ def measure_itl(
     progress: bool = True,
     timings: list | None = None,
 ) -> dict[int, dict[int, float]]:
-    """Median step time in ms for each batch size and K = 0..max_k, K interleaved in rounds."""
+    """Median step time in ms for each batch size and K = 0..max_k, K interleaved in rounds.
+
+    Every request drafts K tokens in a step timed at K: the proposer fills its rows
+    (``fill_drafts``). An n-gram lookup that found no match would otherwise propose nothing, and
+    the cell would time fewer verified tokens than bs x (K+1), as the first n-gram profile did:
+    its ITL(16, 5) was 404 ms where 16 full rows of 5 cost 614 (results/RESULTS.md, "The n-gram
+    grid"). What a row is worth is the acceptance's business, per token proposed."""
     batch_stats: dict[int, dict[int, float]] = {}
     ks = list(range(settings.max_k + 1))
     visits = len(settings.batch_sizes) * len(ks) * settings.rounds
@@ -105,6 +114,7 @@ def measure_itl(
     with (
         tqdm(total=visits, desc="ITL(bs, K)", unit="visit", disable=not progress) as bar,
         engine.recording() as run,
+        _filled_drafts(engine),
     ):
         for bs in settings.batch_sizes:
             # enough tokens for every visit to run its steps without any request finishing
@@ -171,7 +181,9 @@ def run_profile(
         max_num_speculative_tokens=settings.max_k,
         acceptance_rate_per_pos=[round(a, 4) for a in alpha],
         batch_stats=batch_stats,
-        num_speculative_tokens_per_batch_size=derive_table(alpha, batch_stats, settings.max_k),
+        num_speculative_tokens_per_batch_size=derive_table(
+            alpha, batch_stats, settings.max_k, engine.config.max_num_seqs
+        ),
         cost_model=fit_timings(timings),
         meta={
             **meta,
@@ -204,6 +216,16 @@ def _fixed_k(engine: Engine, k: int) -> Iterator[None]:
         engine.set_k_policy(previous)
 
 
+@contextlib.contextmanager
+def _filled_drafts(engine: Engine) -> Iterator[None]:
+    """Run the block with every request drafting its whole K (see ``measure_itl``)."""
+    engine.proposer.fill_drafts = True
+    try:
+        yield
+    finally:
+        engine.proposer.fill_drafts = False
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -215,10 +237,11 @@ def cpu_name() -> str:
 
 
 def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
-    """The quick profile: batch sizes 1..16 (up to max_num_seqs), K = 0..max_k, one round, and
-    acceptance from 8 short generations; the live estimates refine both afterwards."""
+    """The quick profile: batch sizes 1..32 (up to max_num_seqs; above the largest, the grid goes
+    on along its last slope), K = 0..max_k, one round, and acceptance from 8 short generations;
+    the live estimates refine both afterwards."""
     return ProfileSettings(
-        batch_sizes=[b for b in (1, 2, 4, 8, 16) if b <= max_num_seqs] or [1],
+        batch_sizes=[b for b in (1, 2, 4, 8, 16, 32) if b <= max_num_seqs] or [1],
         max_k=max_k,
         num_acceptance_prompts=8,
         acceptance_max_tokens=48,
@@ -233,6 +256,7 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
 def auto_profile_key(engine: Engine, spec: SpeculativeConfig) -> dict:
     """What the cached profile's figures depend on."""
     return {
+        "profiler": PROFILER_VERSION,
         "target": _model_id(engine.config.model),
         "drafter": _model_id(spec.model) if spec.model else spec.method,
         "draft_vocab_size": spec.draft_vocab_size,

@@ -91,9 +91,13 @@ def load_profile(path: str | Path) -> Profile:
 
 
 def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k: int) -> float | None:
-    """ITL(bs, K) in ms, linear between profiled batch sizes and clamped outside; None if unknown.
+    """ITL(bs, K) in ms, linear between profiled batch sizes; None if unknown.
 
-    Zero or negative times are treated as unknown.
+    Below the smallest profiled batch size it is that size's time. Above the largest it goes on
+    along the last segment's slope (never downwards): a step of 32 requests costs more than one of
+    16, and holding it at 16's time made K=5 look nearly free there, where it cost 1.9x a plain
+    step (results/RESULTS.md, "The n-gram grid"). One profiled size alone is held. Zero or
+    negative times are treated as unknown.
     """
     points = sorted((bs, row[k]) for bs, row in batch_stats.items() if row.get(k, 0) > 0)
     if not points:
@@ -101,7 +105,10 @@ def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k
     if batch_size <= points[0][0]:
         return points[0][1]
     if batch_size >= points[-1][0]:
-        return points[-1][1]
+        if len(points) == 1:
+            return points[-1][1]
+        (b0, t0), (b1, t1) = points[-2:]
+        return t1 + max(0.0, (t1 - t0) / (b1 - b0)) * (batch_size - b1)
     for (b0, t0), (b1, t1) in itertools.pairwise(points):
         if b0 <= batch_size <= b1:
             return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
@@ -187,13 +194,16 @@ def argmax_goodput(alpha: list[float], itl: Callable[[int], float | None], max_k
     return best
 
 
-def derive_table(alpha: list[float], batch_stats: dict[int, dict[int, float]], max_k: int) -> list[list[int]]:
+def derive_table(
+    alpha: list[float], batch_stats: dict[int, dict[int, float]], max_k: int, up_to: int = 0
+) -> list[list[int]]:
     """`num_speculative_tokens_per_batch_size` ranges from goodput on the smoothed grid, for
-    1..the largest profiled bs (the same choice the goodput policy makes before live data)."""
+    1..the largest profiled bs or ``up_to`` if larger (the grid extended along its last slope):
+    the same choice the goodput policy makes before live data."""
     if not batch_stats:
         return [[1, 1, 0]]
     batch_stats = smooth_itl(batch_stats)
-    top = max(batch_stats)
+    top = max(max(batch_stats), up_to)
     table: list[list[int]] = []
     for bs in range(1, top + 1):
         k = best_k(alpha, batch_stats, bs, max_k)

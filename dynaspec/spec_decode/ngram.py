@@ -41,6 +41,11 @@ class NgramProposer(Proposer):
             ngram_lookup(np.asarray(r.all_token_ids), self.n_min, self.n_max, cap) if cap else []
             for r, cap in zip(plan.decodes, plan.k_caps)
         ]
+        if self.fill_drafts:  # a lookup without a match, or a short one, repeats the last token
+            rows = [
+                row + [row[-1] if row else r.all_token_ids[-1]] * (cap - len(row))
+                for r, row, cap in zip(plan.decodes, rows, plan.k_caps)
+            ]
         tokens = torch.zeros(plan.num_decodes, plan.k, dtype=torch.long)
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)

@@ -40,6 +40,9 @@ class Proposer:
 
     def __init__(self, ctx: ProposerContext) -> None:
         self.ctx = ctx
+        # the profiler's: every row drafts its whole cap, so that a step timed at K verifies
+        # bs x (K+1) tokens, as ITL(bs, K) means (a proposer that may propose fewer pads its rows)
+        self.fill_drafts = False
 
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes this proposer needs per token (0 if it keeps none)."""
