@@ -55,7 +55,7 @@ rollout64() {  # the issue's default batch: 64 prompts, a longer tail (max 512 t
 rollout_ngram() {  # n-gram drafting (the README's method) on code prompts, with its auto profile
     $D bench rollout --model $MODEL --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}' \
         --profile results/profile_ngram_auto.json --dataset humaneval \
-        --num-prompts 64 --lengths longtail --median-tokens 48 --max-tokens 512 --rounds 1 \
+        --num-prompts 64 --lengths longtail --median-tokens 48 --max-tokens 512 --rounds 2 \
         --result-file results/bench_rollout_ngram.json --plot results/bench_rollout_ngram.png 2>&1 \
         | grep -v "$QUIET" | tee results/bench_rollout_ngram.log
 }

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 AUTO = "auto"  # dynamic_config_path: profile on first use, cached
 AUTO_MAX_K = 5  # the largest K an auto profile measures unless num_speculative_tokens says otherwise
 # how profiles are measured, in the auto profile's key: 2 = n-gram rows filled when timed (a
-# cached profile of an earlier version is measured again), batch sizes to 32
+# cached profile of an earlier version is measured again), batch sizes 1-32 with 12 and 24
 PROFILER_VERSION = 2
 
 
@@ -239,9 +239,12 @@ def cpu_name() -> str:
 def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
     """The quick profile: batch sizes 1..32 (up to max_num_seqs; above the largest, the grid goes
     on along its last slope), K = 0..max_k, one round, and acceptance from 8 short generations;
-    the live estimates refine both afterwards."""
+    the live estimates refine both afterwards. 12 and 24 are in because a step's cost is not
+    linear between 8, 16 and 32: the quantized kernels take 16 rows at a time from 12 rows on, so
+    24 plain rows cost nearly what 32 do (205 and 206 ms with n-gram here, where a line through 16
+    and 32 says 162; results/RESULTS.md, "The n-gram grid")."""
     return ProfileSettings(
-        batch_sizes=[b for b in (1, 2, 4, 8, 16, 32) if b <= max_num_seqs] or [1],
+        batch_sizes=[b for b in (1, 2, 4, 8, 12, 16, 24, 32) if b <= max_num_seqs] or [1],
         max_k=max_k,
         num_acceptance_prompts=8,
         acceptance_max_tokens=48,
