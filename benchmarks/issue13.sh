@@ -10,7 +10,7 @@
 # repeats the sampled cross sweeps at C=2 with 4 rounds and sweep_c2_t1_long with 20 x C prompts,
 # sweep_c148_t1_long the other concurrencies with 20 x C; rollout64_catchup measures the drafter's
 # catch-up in the step budget; rollout_code_window runs rollout_code's policies with and without a
-# draft context window).
+# draft context window; sweep_mixed_ngram the mixed sweep with n-gram drafting).
 # THREADS=1 (the default) runs on one pinned core with one torch thread and its own profile (as the
 # profile and mixed sweep were run, while the other core served other work); THREADS=2 runs on
 # both cores with the 2-thread profile results/profile_qwen_pair_humaneval.json (as the rollout and
@@ -126,6 +126,12 @@ rollout_code_window() {  # rollout_code's shape (none was its best fixed by 18%)
         --num-prompts 64 --lengths longtail --median-tokens 32 --length-sigma 1.2 --max-tokens 1024 \
         --fixed-ks "" --draft-context-window 64 --rounds 2 --result-file results/bench_rollout_code_window.json \
         --plot results/bench_rollout_code_window.png 2>&1 | grep -v "$QUIET" | tee results/bench_rollout_code_window.log
+}
+sweep_mixed_ngram() {  # the mixed stream with n-gram drafting and its auto profile (rows filled)
+    $D bench sweep --model $MODEL --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}' \
+        --profile results/profile_ngram_auto.json --dataset mixed $SWEEP \
+        --configs none,goodput,per-request --result-file results/sweep_mixed_ngram.json \
+        --plot results/sweep_mixed_ngram.png 2>&1 | grep -v "$QUIET" | tee results/sweep_mixed_ngram.log
 }
 for step in ${STEPS:-profile sweep_mixed rollout sweep_cross}; do
     "$step"
