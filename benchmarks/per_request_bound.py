@@ -2,8 +2,9 @@
 (results/RESULTS.md, "Mixed traffic"): half the requests accept as HumanEval does, half as
 MT-Bench does (each profile's acceptance per position, greedy), and every assignment of K is
 priced by the per-request rule's own terms (a fresh `GoodputK` on the profile: its `itl` and
-`_layer_cost`), ITL(bs, 0) + sum over draft positions j of ITL(m_j, j+1) - ITL(m_j, j) for the
-m_j requests drafting past j, on the profile's smoothed grid. The best uniform K (given to the
+`drafted_cost`), ITL(bs, 0) + what the drafts add at the load's row of the profile's smoothed grid
+(read at K = drafted tokens / bs) with one drafter pass per draft position over the m_j requests
+drafting it. The best uniform K (given to the
 first n requests, as the batch-level rule may) against the best K per request (exhaustive over a
 K per kind of request); catch-up left out (caught-up requests).
 Run: .venv/bin/python benchmarks/per_request_bound.py (a second)."""
@@ -32,7 +33,8 @@ def main() -> None:
         plain = rule.itl(len(ks), 0)
         if plain is None:
             raise SystemExit(f"no ITL({len(ks)}, 0) from the profile")
-        ms = plain + sum(rule._layer_cost(sum(k > j for k in ks), j) for j in range(max(ks, default=0)))
+        layers = tuple(sum(k > j for k in ks) for j in range(max(ks, default=0)))
+        ms = plain + rule.drafted_cost(len(ks), layers)
         tokens = len(ks) + sum(sum(a[:k]) for a, k in zip(alphas, ks))
         return 1000.0 * tokens / ms
 

@@ -5,10 +5,15 @@ side by side in rounds (ABBA), every step's `k_caps` and draft lengths recorded.
     .venv/bin/python benchmarks/trace_k.py       # C=2, 10 prompts, greedy, K=3 and per-request (~2 min)
     .venv/bin/python benchmarks/trace_k.py --concurrency 1 --prompts 8 --temperature 1.0 --rounds 2 \
         --configs K=5,goodput,per-request,per-request-conf0                                   # (~8 min)
+    .venv/bin/python benchmarks/trace_k.py \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}' \
+        --profile results/profile_ngram_auto.json --dataset mixed --concurrency 8 --prompts 64 \
+        --configs goodput,per-request                                                       # (~5 min)
 
 A draft length below its cap is a confidence stop (or a draft cut at the request's last tokens)."""
 
 import argparse
+import json
 import time
 from collections import Counter
 
@@ -88,9 +93,12 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--configs", default="K=3,per-request", help="K=k, goodput, per-request(-conf0)")
+    p.add_argument("--speculative-config", default=json.dumps(SPEC), help="the engine's (default: the pair)")
     args = p.parse_args()
 
-    engine = Engine(EngineConfig(model="qwen2.5-coder-1.5b-instruct", speculative_config=SPEC))
+    engine = Engine(
+        EngineConfig(model="qwen2.5-coder-1.5b-instruct", speculative_config=args.speculative_config)
+    )
     names = args.configs.split(",")
     makers = policies(load_profile(args.profile), names)
     prompts = load_prompts(args.dataset, chat=True)[: args.prompts]

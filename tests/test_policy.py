@@ -25,6 +25,8 @@ STATS = {
     32: {0: 200.0, 1: 400.0, 2: 560.0, 3: 700.0, 4: 850.0},
 }
 ALPHA = [0.8, 0.65, 0.5, 0.4]
+COST_NO_DRAFTER = {"target_ms": [90.0, 4.0, 4.0], "draft_pass_ms": [0.0, 0.0, 0.0]}
+COST_DRAFTER = {"target_ms": [90.0, 4.0, 4.0], "draft_pass_ms": [5.0, 0.5, 0.2]}
 
 
 def profile(alpha=ALPHA, stats=STATS, max_k=4) -> Profile:
@@ -287,12 +289,38 @@ def test_refine_drafts_gives_k_to_the_requests_that_accept():
         tokens = len(ks) + sum(sum(r[:k]) for r, k in zip(rates, ks))
         return tokens / (50.0 + sum(layer(c, j) for j, c in enumerate(m) if c))
 
+    def drafted(m):
+        return sum(layer(c, j) for j, c in enumerate(m))
+
     rates = [good, poor, good, poor]
     start = [2, 2, 2, 2]  # a uniform K
-    ks = refine_drafts(start, rates, [0.0] * 4, [4] * 4, layer, 50.0, 4)
+    ks = refine_drafts(start, rates, [0.0] * 4, [4] * 4, drafted, 50.0, 4)
     assert ks[0] > ks[1] and ks[2] > ks[3]
     assert goodput(ks, rates) > goodput(start, rates)
     # caps hold (tokens left, prefilling requests), charges withhold a request, empty is fine
-    assert refine_drafts([4, 4], [good, good], [0.0, 0.0], [1, 0], layer, 50.0, 2) == [1, 0]
-    assert refine_drafts([0, 0], [good, good], [0.0, 1e6], [4, 4], layer, 50.0, 2)[1] == 0
-    assert refine_drafts([], [], [], [], layer, 50.0, 0) == []
+    assert refine_drafts([4, 4], [good, good], [0.0, 0.0], [1, 0], drafted, 50.0, 2) == [1, 0]
+    assert refine_drafts([0, 0], [good, good], [0.0, 1e6], [4, 4], drafted, 50.0, 2)[1] == 0
+    assert refine_drafts([], [], [], [], drafted, 50.0, 0) == []
+
+
+def test_drafts_are_priced_at_the_whole_loads_row_of_the_grid():
+    """What drafts add to a step of bs requests comes from the grid's row at bs, read between its
+    K columns by the rows drafted, less those K's drafter passes over bs rows plus the passes run:
+    a uniform K over the load costs ITL(bs, K) - ITL(bs, 0), and 4 rows on a step of 8 cost half
+    of ITL(8, 1) - ITL(8, 0), not ITL(4, 1) - ITL(4, 0) as if they ran alone."""
+    ngram = Profile(4, list(ALPHA), {bs: dict(r) for bs, r in STATS.items()}, cost_model=COST_NO_DRAFTER)
+    rule = GoodputK(ngram, 4)
+    itl = {k: rule.itl(8, k) for k in range(5)}  # the smoothed grid's row at 8
+    assert rule.drafted_cost(8, (8, 8)) == pytest.approx(itl[2] - itl[0])
+    assert rule.drafted_cost(8, (4,)) == pytest.approx((itl[1] - itl[0]) / 2)
+    assert rule.drafted_cost(8, (8, 4)) == pytest.approx((itl[1] + itl[2]) / 2 - itl[0])
+    assert rule.drafted_cost(8, ()) == 0.0
+    pair = Profile(4, list(ALPHA), {bs: dict(r) for bs, r in STATS.items()}, cost_model=COST_DRAFTER)
+    rule = GoodputK(pair, 4)
+    itl = {k: rule.itl(8, k) for k in range(5)}
+    one_pass = rule.costs.draft_pass_ms
+    assert one_pass(8) == pytest.approx(5.0 + 0.5 * 8) and one_pass(0) == 0.0
+    assert rule.drafted_cost(8, (8, 8, 8)) == pytest.approx(itl[3] - itl[0])
+    # 2 rows drafting 3 positions: 6 of the load's rows (K = 0.75) and three passes over 2 rows
+    expected = 0.75 * (itl[1] - itl[0]) - 0.75 * one_pass(8) + 3 * one_pass(2)
+    assert rule.drafted_cost(8, (2, 2, 2)) == pytest.approx(expected)

@@ -104,6 +104,10 @@ class StepCostModel:
             return 1.0
         return min(MAX_DRIFT, max(1.0 / MAX_DRIFT, now / before))
 
+    def draft_pass_ms(self, rows: int) -> float:
+        """One drafter pass over ``rows`` caught-up requests, now (0 for a proposer with no drafter)."""
+        return _predict(self.draft_coef, (1.0, rows, 0.0)) * self.scales()[1] if rows else 0.0
+
     def verify_ms_per_token(self) -> float:
         """What one more verified token adds to a target pass, now."""
         return max(0.0, float(self.target_coef[1])) * self.scales()[0]

@@ -291,7 +291,7 @@ def refine_drafts(
     rates: Sequence[Sequence[float]],
     charges: Sequence[float],
     caps: Sequence[int],
-    layer_cost: Callable[[int, int], float],
+    drafted_cost: Callable[[tuple[int, ...]], float],
     plain_ms: float,
     batch_size: int,
 ) -> list[int]:
@@ -299,11 +299,12 @@ def refine_drafts(
     uniform K).
 
     Request i drafting k_i tokens adds its expected accepted tokens sum(rates[i][:k_i]); the
-    step's draft positions form layers, layer j holding the m_j requests with k_i > j and costing
-    ``layer_cost(m_j, j)`` ms (a drafter pass and m_j verified tokens); a drafting request also
-    pays ``charges[i]`` ms per token it generates (drafter catch-up). Goodput is
+    step's draft positions form layers, layer j holding the m_j requests with k_i > j, and
+    ``drafted_cost(m)`` is what the drafts add to a plain step in ms (drafter passes and verified
+    tokens) given m = (m_0, m_1, ...); a drafting request also pays ``charges[i]`` ms per token it
+    generates (drafter catch-up). Goodput is
 
-        (batch_size + sum_i sum(rates[i][:k_i])) / (plain_ms + sum_j layer_cost(m_j, j) + catch-up)
+        (batch_size + sum_i sum(rates[i][:k_i])) / (plain_ms + drafted_cost(m) + catch-up)
 
     and each request's k_i (0..caps[i]) moves up or down by one while that raises it.
     """
@@ -317,12 +318,11 @@ def refine_drafts(
     def charge_of(i: int, k: int) -> float:
         return charges[i] * (1.0 + tokens_of(i, k)) if k else 0.0
 
-    def layer(count: int, j: int) -> float:
-        return layer_cost(count, j) if count else 0.0
+    def drafted(layers: list[int]) -> float:
+        return drafted_cost(tuple(c for c in layers if c)) if any(layers) else 0.0
 
     tokens = batch_size + sum(tokens_of(i, k) for i, k in enumerate(ks))
-    time = plain_ms + sum(layer(m[j], j) for j in range(max_k))
-    time += sum(charge_of(i, k) for i, k in enumerate(ks))
+    time = plain_ms + drafted(m) + sum(charge_of(i, k) for i, k in enumerate(ks))
     if time <= 0:
         return ks
     for _ in range(2 * max_k + 2):
@@ -333,11 +333,12 @@ def refine_drafts(
                     continue
                 j = min(new, ks[i])  # the layer the request joins or leaves
                 step = 1 if new > ks[i] else -1
-                d_time = layer(m[j] + step, j) - layer(m[j], j) + charge_of(i, new) - charge_of(i, ks[i])
+                moved = m[:j] + [m[j] + step] + m[j + 1 :]
+                d_time = drafted(moved) - drafted(m) + charge_of(i, new) - charge_of(i, ks[i])
                 d_tokens = tokens_of(i, new) - tokens_of(i, ks[i])
                 if time + d_time > 0 and (tokens + d_tokens) / (time + d_time) > tokens / time * (1 + 1e-9):
                     tokens, time = tokens + d_tokens, time + d_time
-                    m[j] += step
+                    m = moved
                     ks[i] = new
                     improved = True
                     break
@@ -365,10 +366,13 @@ class GoodputK:
 
     Per request (the default), that uniform choice is the start of ``refine_drafts``: each
     request's K moves by one while the step's expected goodput rises, with the request's own
-    acceptance (``request_rates``) and draft position j of m rows priced as the grid's
-    ITL(m, j+1) - ITL(m, j). A uniform K prices exactly as above, so the refined choice is never
-    worse by the model. Without per-request K, a drafting slot is also charged the steady-state
-    catch-up of the request that will replace it (one prompt per output budget); per request, each
+    acceptance (``request_rates``) and the step's drafts priced by ``drafted_cost``: the rows they
+    add at the prices of the grid's row for the whole load (ITL(bs, K) read at K = drafted tokens
+    / bs), and the drafter passes they run. Rows join a step of bs requests, so they cost what
+    rows cost there, not what they would cost alone (ITL(m, j+1) - ITL(m, j), the earlier price).
+    A uniform K over the whole load prices as above, and the search never leaves its start for a
+    worse step. Without per-request K, a drafting slot is also charged the steady-state catch-up
+    of the request that will replace it (one prompt per output budget); per request, each
     request pays what it owes when it drafts, and a replacement pays its own.
 
     Exploration: K=0 measures nothing, so a profile that underrates the traffic would never be
@@ -472,7 +476,7 @@ class GoodputK:
                 [self.requests.rates(c.request_id, alpha) for c in candidates],
                 cost,
                 caps,
-                functools.lru_cache(maxsize=None)(self._layer_cost),  # the grid read once per cell
+                functools.lru_cache(maxsize=None)(functools.partial(self.drafted_cost, bs)),
                 plain,
                 bs,
             )
@@ -488,10 +492,25 @@ class GoodputK:
                 self.num_probes += 1
         return k, drafts
 
-    def _layer_cost(self, rows: int, j: int) -> float:
-        """Draft position j for ``rows`` requests: ITL(rows, j+1) - ITL(rows, j), at least 0."""
-        hi, lo = self.itl(rows, j + 1), self.itl(rows, j)
-        return max(0.0, hi - lo) if hi is not None and lo is not None else float("inf")
+    def drafted_cost(self, bs: int, layers: tuple[int, ...]) -> float:
+        """What drafts add to a plain step of ``bs`` requests, ``layers[j]`` of them drafting
+        position j: the target's share of ITL(bs, K) at K = (drafted tokens) / bs, read between
+        the grid's columns (a step's cost follows the rows it verifies, and the grid's row at this
+        bs has them at this bs's prices: on this CPU whole 16-row blocks), less that K's drafter
+        passes over bs rows, plus the drafter passes actually run, one per layer of its rows
+        (``StepCostModel.draft_pass_ms``: none for n-gram)."""
+        drafted = sum(layers)
+        if not drafted or bs <= 0:
+            return 0.0
+        k = min(drafted / bs, float(self.max_k))
+        lo = int(k)
+        low, plain = self.itl(bs, lo), self.itl(bs, 0)
+        high = self.itl(bs, lo + 1) if k > lo else low
+        if low is None or high is None or plain is None:
+            return float("inf")
+        spec = low + (high - low) * (k - lo)
+        target = max(0.0, spec - plain - k * self.costs.draft_pass_ms(bs))
+        return target + sum(self.costs.draft_pass_ms(rows) for rows in layers if rows)
 
     def _scores(
         self, bs: int, plain: float | None, alpha: list[float], prefix: list[float]
