@@ -10,6 +10,7 @@ import statistics
 import time
 
 from dynaspec.engine.engine import Engine, EngineConfig
+from dynaspec.engine.profiler import filled_drafts
 from dynaspec.kpolicy.policy import FixedK
 from dynaspec.sampling_params import SamplingParams
 
@@ -46,16 +47,15 @@ def main() -> None:
         while not all(r.is_decoding for r in requests):
             engine.step()
         times: dict[int, list[float]] = {k: [] for k in ks}
-        engine.proposer.fill_drafts = True
-        for rnd in range(args.rounds):
-            for k in ks if rnd % 2 == 0 else ks[::-1]:
-                engine.set_k_policy(FixedK(k))
-                engine.step()  # warm-up
-                for _ in range(2):
-                    start = time.perf_counter()
-                    engine.step()
-                    times[k].append((time.perf_counter() - start) * 1000)
-        engine.proposer.fill_drafts = False
+        with filled_drafts(engine):
+            for rnd in range(args.rounds):
+                for k in ks if rnd % 2 == 0 else ks[::-1]:
+                    engine.set_k_policy(FixedK(k))
+                    engine.step()  # warm-up
+                    for _ in range(2):
+                        start = time.perf_counter()
+                        engine.step()
+                        times[k].append((time.perf_counter() - start) * 1000)
         for r in requests:
             engine.abort(r.request_id)
         print(f"{context:>8} " + " ".join(f"{statistics.median(times[k]):>8.1f}" for k in ks), flush=True)

@@ -114,7 +114,7 @@ def measure_itl(
     with (
         tqdm(total=visits, desc="ITL(bs, K)", unit="visit", disable=not progress) as bar,
         engine.recording() as run,
-        _filled_drafts(engine),
+        filled_drafts(engine),
     ):
         for bs in settings.batch_sizes:
             # enough tokens for every visit to run its steps without any request finishing
@@ -217,8 +217,9 @@ def _fixed_k(engine: Engine, k: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _filled_drafts(engine: Engine) -> Iterator[None]:
-    """Run the block with every request drafting its whole K (see ``measure_itl``)."""
+def filled_drafts(engine: Engine) -> Iterator[None]:
+    """Run the block with every request drafting its whole K (see ``measure_itl``; the benchmarks
+    that time steps by rows use it too)."""
     engine.proposer.fill_drafts = True
     try:
         yield
@@ -241,8 +242,8 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
     on along its last slope), K = 0..max_k, one round, and acceptance from 8 short generations;
     the live estimates refine both afterwards. 12 and 24 are in because a step's cost is not
     linear between 8, 16 and 32: the quantized kernels take 16 rows at a time from 12 rows on, so
-    24 plain rows cost nearly what 32 do (205 and 206 ms with n-gram here, where a line through 16
-    and 32 says 162; results/RESULTS.md, "The n-gram grid")."""
+    24 plain rows cost nearly what 32 do (196 and 205 ms in the n-gram auto profile here, where a
+    line through 16 and 32 says 162; results/RESULTS.md, "The n-gram grid")."""
     return ProfileSettings(
         batch_sizes=[b for b in (1, 2, 4, 8, 12, 16, 24, 32) if b <= max_num_seqs] or [1],
         max_k=max_k,
