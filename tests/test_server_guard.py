@@ -177,10 +177,12 @@ def test_sigterm_lets_20_streams_finish_and_exits_0(target_dir):
     assert '"POST /v1/completions" 200' in log  # access log
 
 
-def test_shutdown_timeout_aborts_the_rest_and_exits_0(target_dir):
-    proc, base = _serve(target_dir, free_port(), "--shutdown-timeout", "0.3", "--max-num-seqs", "2")
+def test_shutdown_timeout_aborts_the_rest_and_exits_0(tiny_dir):
+    # the tiny model writes 480 tokens in 0.2 s here: a long context makes the streams outlast the timeout
+    long_dir = tiny_dir(arch="qwen2", seed=0, num_layers=2, max_position_embeddings=8192)
+    proc, base = _serve(long_dir, free_port(), "--shutdown-timeout", "0.3", "--max-num-seqs", "2")
     try:
-        reasons, _ = asyncio.run(_streams_then_sigterm(base, proc, 2, 480))
+        reasons, _ = asyncio.run(_streams_then_sigterm(base, proc, 2, 8000))
         assert reasons == ["abort", "abort"]
         assert proc.wait(timeout=60) == 0
     finally:
