@@ -324,3 +324,21 @@ def test_drafts_are_priced_at_the_whole_loads_row_of_the_grid():
     # 2 rows drafting 3 positions: 6 of the load's rows (K = 0.75) and three passes over 2 rows
     expected = 0.75 * (itl[1] - itl[0]) - 0.75 * one_pass(8) + 3 * one_pass(2)
     assert rule.drafted_cost(8, (2, 2, 2)) == pytest.approx(expected)
+
+
+def test_the_uniform_choice_prices_its_drafting_rows_as_per_request_k_does():
+    """One row drafting on a step of 8 costs an eighth of ITL(8, 1) - ITL(8, 0) (35 ms here), not
+    ITL(1, 1) - ITL(1, 0) (1 ms, as if it ran alone): one accepted token in 0.8 is not worth that
+    where a plain token costs 15 ms, so neither rule drafts; where the load's row is cheap, both do."""
+    from dynaspec.engine.types import DraftCandidate
+
+    def chosen(stats, per_request):
+        grid = Profile(1, [0.8], stats, cost_model=COST_NO_DRAFTER)
+        rule = GoodputK(grid, 1, hysteresis_steps=1, per_request=per_request, explore_below=0.0)
+        return rule.choose([DraftCandidate(1, 100, request_id=str(i)) for i in range(8)])
+
+    dear = {1: {0: 100.0, 1: 101.0}, 8: {0: 120.0, 1: 400.0}}
+    cheap = {1: {0: 100.0, 1: 101.0}, 8: {0: 120.0, 1: 125.0}}
+    for per_request in (False, True):
+        assert chosen(dear, per_request) == (0, [0] * 8)
+        assert chosen(cheap, per_request) == (1, [1] * 8)

@@ -352,25 +352,24 @@ class GoodputK:
     with ``per_request``, a K for each request.
 
     ITL(bs, K) is the profile's grid (smoothed, interpolated) times the drift the live cost model
-    (``kpolicy.cost``) has seen since the profile. A draft model must first catch up on the tokens
-    it has not seen (a new request's whole prompt), so request i costs
-    c_i = catch-up ms per token x the tokens it owes per generated token. With requests sorted by
-    c_i, for every K and every n the step's goodput is
+    (``kpolicy.cost``) has seen since the profile. Drafts are priced by one function,
+    D(bs; m) = ``drafted_cost``: m = (m_0, m_1, ...) rows drafting positions 0, 1, ... add the rows
+    they verify at the prices of the grid's row for the whole load (ITL(bs, K) read at K = drafted
+    tokens / bs: rows join a step of bs requests, so they cost what rows cost there, not what they
+    would cost alone), and the drafter passes they run. A draft model must first catch up on the
+    tokens it has not seen (a new request's whole prompt), so request i costs c_i = catch-up ms per
+    token x the tokens it owes per generated token. With requests sorted by c_i, for every K and
+    every n the step's goodput is
 
-        (bs + n (AL(K) - 1)) / (ITL(bs, 0) + ITL(n, K) - ITL(n, 0) + AL(K) * sum_{i<n} c_i)
+        (bs + n (AL(K) - 1)) / (ITL(bs, 0) + D(bs; n, ..., n [K times]) + AL(K) * sum_{i<n} c_i)
 
-    (n drafting rows add their verification and drafter passes to a plain step of the whole load);
-    the best (K, n) wins, with hysteresis on K. bs is the load (every running request, prefilling
-    ones included, and waiting ones up to max_num_seqs): the decode batch dips whenever arrivals
-    are prefilled, so it would mislead. Only decoding candidates draft.
+    and the best (K, n) wins, with hysteresis on K. bs is the load (every running request,
+    prefilling ones included, and waiting ones up to max_num_seqs): the decode batch dips whenever
+    arrivals are prefilled, so it would mislead. Only decoding candidates draft.
 
     Per request (the default), that uniform choice is the start of ``refine_drafts``: each
     request's K moves by one while the step's expected goodput rises, with the request's own
-    acceptance (``request_rates``) and the step's drafts priced by ``drafted_cost``: the rows they
-    add at the prices of the grid's row for the whole load (ITL(bs, K) read at K = drafted tokens
-    / bs), and the drafter passes they run. Rows join a step of bs requests, so they cost what
-    rows cost there, not what they would cost alone (ITL(m, j+1) - ITL(m, j), the earlier price).
-    A uniform K over the whole load prices as above, and the search never leaves its start for a
+    acceptance (``request_rates``) and the same D, so the search never leaves its start for a
     worse step. Without per-request K, a drafting slot is also charged the steady-state catch-up
     of the request that will replace it (one prompt per output budget); per request, each
     request pays what it owes when it drafts, and a replacement pays its own.
@@ -457,7 +456,8 @@ class GoodputK:
         for i in order:
             prefix.append(prefix[-1] + cost[i])
         plain = self.itl(bs, 0)
-        scores = self._scores(bs, plain, alpha, prefix)  # {(k, n): goodput}
+        drafted_cost = functools.lru_cache(maxsize=None)(functools.partial(self.drafted_cost, bs))
+        scores = self._scores(bs, plain, alpha, prefix, drafted_cost)  # {(k, n): goodput}
         wanted = max(scores, key=lambda kn: (scores[kn], -kn[0], kn[1]))[0] if scores else 0
         k = self.hysteresis.update(wanted)
         n = (
@@ -476,7 +476,7 @@ class GoodputK:
                 [self.requests.rates(c.request_id, alpha) for c in candidates],
                 cost,
                 caps,
-                functools.lru_cache(maxsize=None)(functools.partial(self.drafted_cost, bs)),
+                drafted_cost,
                 plain,
                 bs,
             )
@@ -486,7 +486,7 @@ class GoodputK:
         if _log_change(self.k_by_batch_size, bs, k, "goodput"):
             log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in alpha))
         if explore and not k and plain and any(caps) and self.acceptance.evidence() < self.explore_below:
-            hopeful = self._scores(bs, plain, [a + (1.0 - a) / 2 for a in alpha], prefix)
+            hopeful = self._scores(bs, plain, [a + (1.0 - a) / 2 for a in alpha], prefix, drafted_cost)
             if max(hopeful, key=hopeful.get)[0]:  # the probe: the request owing the drafter least
                 drafts[min((i for i in range(bs) if caps[i]), key=cost.__getitem__)], k = 1, 1
                 self.num_probes += 1
@@ -513,21 +513,24 @@ class GoodputK:
         return target + sum(self.costs.draft_pass_ms(rows) for rows in layers if rows)
 
     def _scores(
-        self, bs: int, plain: float | None, alpha: list[float], prefix: list[float]
+        self,
+        bs: int,
+        plain: float | None,
+        alpha: list[float],
+        prefix: list[float],
+        drafted_cost: Callable[[tuple[int, ...]], float],
     ) -> dict[tuple[int, int], float]:
-        """Goodput of every (K, n first requests) over a plain step of ``plain`` ms (None: unknown)."""
+        """Goodput of every (K, n first requests) over a plain step of ``plain`` ms (None: unknown),
+        the n rows' K positions priced by ``drafted_cost`` (that of refine_drafts)."""
         if plain is None:
             return {}
         scores = {(0, 0): bs / plain}
-        row_plain = {n: self.itl(n, 0) for n in range(1, bs + 1)}
         for k in range(1, self.max_k + 1):
             al = acceptance_length(alpha, k)
             for n in range(1, bs + 1):
-                spec, base = self.itl(n, k), row_plain[n]
-                if spec is None or base is None:
-                    continue
-                step = plain + max(0.0, spec - base) + al * prefix[n]
-                scores[(k, n)] = (bs + n * (al - 1)) / step
+                drafted = drafted_cost((n,) * k)
+                if drafted != float("inf"):
+                    scores[(k, n)] = (bs + n * (al - 1)) / (plain + drafted + al * prefix[n])
         return scores
 
     def min_draft_confidence(self) -> float:
