@@ -1,4 +1,4 @@
-// Paged attention for a flat varlen batch, one query row at a time, read in place from the cache.
+// Paged attention for a flat varlen batch, each query row on its own, read in place from the cache.
 //
 // Each query row t (a new token at position p of its sequence) attends to keys 0..p of its own
 // sequence, found through the sequence's slot table. The computation for a row, two passes per
@@ -8,13 +8,20 @@
 // same whether it is decoded alone, verified among K drafts, or prefilled in any chunking, which is
 // what keeps greedy speculative decoding token-for-token identical to plain decoding.
 //
-// The K/V cache is float32 or bfloat16; queries and outputs are float32. Work items are (row, KV
-// head) pairs; the heads of one KV group share each key and value read.
+// The K/V cache is float32 or bfloat16; queries and outputs are float32. Work items are (block, KV
+// head) pairs, a block being up to kBlockRows consecutive rows of one sequence (a request's
+// verified window, or a slice of its prefill chunk): every query of the block, its rows times the
+// heads of one KV group, is computed against each key and value while that one is in L1, so a
+// sequence's cache is read once per block instead of once per row. Each row's arithmetic is the
+// same as it would be alone (its keys 0..p in order, its own partial sums), so blocking changes
+// no result.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -52,49 +59,189 @@ inline void exp_nonpositive(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] < -87.0f ? 0.0f : dynaspec_math::fast_exp(x[i]);
 }
 
+constexpr int64_t kBlockRows = 16;  // rows of one sequence that share each key and value read
+
+// The blocks: runs of up to kBlockRows consecutive rows of one sequence; their first rows, then rows.
+inline std::vector<int64_t> block_starts(const int64_t* row_seq, int64_t rows) {
+  std::vector<int64_t> starts;
+  for (int64_t t = 0; t < rows; ++t)
+    if (t == 0 || row_seq[t] != row_seq[t - 1] || t - starts.back() == kBlockRows) starts.push_back(t);
+  starts.push_back(rows);
+  return starts;
+}
+
+// Softmax of each query's scores over its own keys, in place; returns 1 / the sum of its weights.
+inline void softmax_rows(float* scores, int64_t stride, const int64_t* lens, int64_t group, int64_t nq,
+                         float* inv) {
+  for (int64_t x = 0; x < nq; ++x) {
+    const int64_t len = lens[x / group];
+    float* s = scores + x * stride;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < len; ++j) m = s[j] > m ? s[j] : m;
+    for (int64_t j = 0; j < len; ++j) s[j] -= m;
+    exp_nonpositive(s, len);
+    float sum[kLanes] = {0};
+    for (int64_t j = 0; j < len; ++j) sum[j % kLanes] += s[j];
+    for (int w = kLanes / 2; w > 0; w /= 2)
+      for (int l = 0; l < w; ++l) sum[l] += sum[l + w];
+    inv[x] = 1.0f / sum[0];
+  }
+}
+
+// --- any head size: scalar loops the compiler vectorizes -------------------------------------------
+
+template <typename T>
+void attend_block_scalar(const float* q, const T* kc, const T* vc, const int64_t* slots, const int64_t* lens,
+                         int64_t t0, int64_t nr, int64_t h, int64_t heads, int64_t kv_heads, int64_t d,
+                         float scale, std::vector<float>& scores, std::vector<float>& acc,
+                         std::vector<float>& inv, float* out) {
+  const int64_t group = heads / kv_heads, nq = nr * group;
+  int64_t n = 0;
+  for (int64_t r = 0; r < nr; ++r) n = lens[r] > n ? lens[r] : n;
+  scores.resize(nq * n);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kp = kc + (slots[j] * kv_heads + h) * d;
+    for (int64_t r = 0; r < nr; ++r) {
+      if (j >= lens[r]) continue;
+      const float* qt = q + ((t0 + r) * heads + h * group) * d;
+      for (int64_t g = 0; g < group; ++g) scores[(r * group + g) * n + j] = dot(qt + g * d, kp, d) * scale;
+    }
+  }
+  inv.resize(nq);
+  softmax_rows(scores.data(), n, lens, group, nq, inv.data());
+  acc.assign(nq * d, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vp = vc + (slots[j] * kv_heads + h) * d;
+    for (int64_t x = 0; x < nq; ++x) {
+      if (j >= lens[x / group]) continue;
+      const float p = scores[x * n + j];
+      float* a = acc.data() + x * d;
+      for (int64_t i = 0; i < d; ++i) a[i] += p * load(vp, i);
+    }
+  }
+  for (int64_t x = 0; x < nq; ++x) {
+    float* o = out + ((t0 + x / group) * heads + h * group + x % group) * d;
+    for (int64_t i = 0; i < d; ++i) o[i] = acc[x * d + i] * inv[x];
+  }
+}
+
+// --- head sizes a multiple of 16: AVX-512 ------------------------------------------------------------
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The sums of 16 vectors, in order, in one vector: each is added up by the same fixed tree (lanes
+// 0+2 and 1+3 of each 128-bit quarter, those two, then the quarters pairwise) whatever its place.
+inline __m512 sum16(const __m512* a) {
+  __m512 c[8], f[4], hh[2];
+  for (int k = 0; k < 8; ++k)
+    c[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)
+    f[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], 0x44),
+                         _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], 0xEE));
+  for (int k = 0; k < 2; ++k)
+    hh[k] = _mm512_add_ps(_mm512_shuffle_f32x4(f[2 * k], f[2 * k + 1], 0x88),
+                          _mm512_shuffle_f32x4(f[2 * k], f[2 * k + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(hh[0], hh[1], 0x88), _mm512_shuffle_f32x4(hh[0], hh[1], 0xDD));
+}
+
+// acc[t] += p[t][j] * v_j over keys j < len for NT queries, ND 16-float chunks of the head from chunk c0.
+template <typename T, int NT, int ND>
+void weighted_values(const float* const* p, int64_t len, const T* vc, const int64_t* slots, int64_t kv_heads,
+                     int64_t h, int64_t d, int64_t c0, float* const* out, const float* inv) {
+  __m512 acc[NT][ND];
+  for (int t = 0; t < NT; ++t)
+    for (int c = 0; c < ND; ++c) acc[t][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const T* vp = vc + (slots[j] * kv_heads + h) * d + c0 * 16;
+    __m512 v[ND];
+    for (int c = 0; c < ND; ++c) v[c] = load16(vp + c * 16);
+    for (int t = 0; t < NT; ++t) {
+      const __m512 pt = _mm512_set1_ps(p[t][j]);
+      for (int c = 0; c < ND; ++c) acc[t][c] = _mm512_fmadd_ps(pt, v[c], acc[t][c]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int c = 0; c < ND; ++c)
+      _mm512_storeu_ps(out[t] + (c0 + c) * 16, _mm512_mul_ps(acc[t][c], _mm512_set1_ps(inv[t])));
+}
+
+template <typename T, int ND>
+void weighted_values_nt(int nt, const float* const* p, int64_t len, const T* vc, const int64_t* slots,
+                        int64_t kv_heads, int64_t h, int64_t d, int64_t c0, float* const* out, const float* inv) {
+  if (nt == 3) weighted_values<T, 3, ND>(p, len, vc, slots, kv_heads, h, d, c0, out, inv);
+  else if (nt == 2) weighted_values<T, 2, ND>(p, len, vc, slots, kv_heads, h, d, c0, out, inv);
+  else weighted_values<T, 1, ND>(p, len, vc, slots, kv_heads, h, d, c0, out, inv);
+}
+
+template <typename T>
+void attend_block_avx512(const float* q, const T* kc, const T* vc, const int64_t* slots, const int64_t* lens,
+                         int64_t t0, int64_t nr, int64_t h, int64_t heads, int64_t kv_heads, int64_t d,
+                         float scale, std::vector<float>& scores, std::vector<float>& inv, float* out) {
+  const int64_t group = heads / kv_heads, nq = nr * group;
+  int64_t n = 0;
+  for (int64_t r = 0; r < nr; ++r) n = lens[r] > n ? lens[r] : n;
+  const int64_t stride = (n + 15) / 16 * 16;
+  scores.resize(nq * stride);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 keys at a time, each query's 16 scores at once
+    const T* kp[16];
+    for (int k = 0; k < 16; ++k) kp[k] = kc + (slots[j0 + k < n ? j0 + k : 0] * kv_heads + h) * d;
+    for (int64_t x = 0; x < nq; ++x) {
+      if (j0 >= lens[x / group]) continue;
+      const float* qx = q + ((t0 + x / group) * heads + h * group + x % group) * d;
+      __m512 acc[16];
+      for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m512 qv = _mm512_loadu_ps(qx + i);
+        for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(qv, load16(kp[k] + i), acc[k]);
+      }
+      _mm512_storeu_ps(scores.data() + x * stride + j0, _mm512_mul_ps(sum16(acc), vscale));
+    }
+  }
+  inv.resize(nq);
+  softmax_rows(scores.data(), stride, lens, group, nq, inv.data());
+  const int64_t chunks = d / 16;
+  const int nd = chunks % 8 == 0 ? 8 : chunks % 4 == 0 ? 4 : chunks % 2 == 0 ? 2 : 1;
+  for (int64_t x0 = 0; x0 < nq;) {  // up to 3 heads of one row at a time
+    const int nt = static_cast<int>(std::min<int64_t>(3, group - x0 % group));
+    const float* p[3];
+    float* o[3];
+    for (int t = 0; t < nt; ++t) {
+      const int64_t x = x0 + t;
+      p[t] = scores.data() + x * stride;
+      o[t] = out + ((t0 + x / group) * heads + h * group + x % group) * d;
+    }
+    const int64_t len = lens[x0 / group];
+    for (int64_t c0 = 0; c0 < chunks; c0 += nd) {
+      if (nd == 8) weighted_values_nt<T, 8>(nt, p, len, vc, slots, kv_heads, h, d, c0, o, inv.data() + x0);
+      else if (nd == 4) weighted_values_nt<T, 4>(nt, p, len, vc, slots, kv_heads, h, d, c0, o, inv.data() + x0);
+      else if (nd == 2) weighted_values_nt<T, 2>(nt, p, len, vc, slots, kv_heads, h, d, c0, o, inv.data() + x0);
+      else weighted_values_nt<T, 1>(nt, p, len, vc, slots, kv_heads, h, d, c0, o, inv.data() + x0);
+    }
+    x0 += nt;
+  }
+}
+
 template <typename T>
 void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t table_width,
             const int64_t* row_seq, const int64_t* row_len, float* out, int64_t rows, int64_t heads,
             int64_t kv_heads, int64_t d, float scale) {
-  const int64_t group = heads / kv_heads;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(group * d);
+  const std::vector<int64_t> starts = block_starts(row_seq, rows);
+  const int64_t blocks = static_cast<int64_t>(starts.size()) - 1;
+  at::parallel_for(0, blocks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc, inv;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / kv_heads, h = item % kv_heads, n = row_len[t];
-      const int64_t* slots = table + row_seq[t] * table_width;
-      const float* qt = q + (t * heads + h * group) * d;
-      scores.resize(group * n);
-      for (int64_t j = 0; j < n; ++j) {
-        const T* kp = kc + (slots[j] * kv_heads + h) * d;
-        for (int64_t g = 0; g < group; ++g) scores[g * n + j] = dot(qt + g * d, kp, d) * scale;
-      }
-      std::vector<float> inv(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
-        for (int64_t j = 0; j < n; ++j) s[j] -= m;
-        exp_nonpositive(s, n);
-        float sum[kLanes] = {0};
-        for (int64_t j = 0; j < n; ++j) sum[j % kLanes] += s[j];
-        for (int w = kLanes / 2; w > 0; w /= 2)
-          for (int l = 0; l < w; ++l) sum[l] += sum[l + w];
-        inv[g] = 1.0f / sum[0];
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        const T* vp = vc + (slots[j] * kv_heads + h) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + j];
-          float* a = acc.data() + g * d;
-          for (int64_t i = 0; i < d; ++i) a[i] += p * load(vp, i);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = out + (t * heads + h * group + g) * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = acc[g * d + i] * inv[g];
-      }
+      const int64_t b = item / kv_heads, h = item % kv_heads, t0 = starts[b], nr = starts[b + 1] - t0;
+      const int64_t* slots = table + row_seq[t0] * table_width;
+      if (d % 16 == 0)
+        attend_block_avx512(q, kc, vc, slots, row_len + t0, t0, nr, h, heads, kv_heads, d, scale, scores, inv, out);
+      else
+        attend_block_scalar(q, kc, vc, slots, row_len + t0, t0, nr, h, heads, kv_heads, d, scale, scores, acc, inv,
+                            out);
     }
   });
 }

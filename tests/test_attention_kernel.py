@@ -1,0 +1,74 @@
+"""The row-wise paged attention operator (csrc/attention.cpp): against a float64 reference, and each
+row's output bitwise the same whatever else shares the call (which keeps greedy speculation
+lossless): alone, among its own sequence's verified window or prefill chunk, or among others'."""
+
+import pytest
+import torch
+
+from dynaspec.models.kernels import kernel_error
+
+pytestmark = pytest.mark.skipif(kernel_error() is not None, reason=f"no C++ kernels: {kernel_error()}")
+
+# (context already cached, new rows) per sequence: a decode, a verified window of 6, a prefill chunk
+# longer than a block of 16 rows, a short window, a long context, a first token
+SEQUENCES = [(300, 1), (500, 6), (0, 40), (120, 3), (1000, 20), (7, 1)]
+
+
+def _case(heads: int, kv_heads: int, d: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(c + n for c, n in SEQUENCES) + 5
+    k_cache = torch.randn(total, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(total, kv_heads, d, generator=g).to(dtype)
+    slots = torch.randperm(total, generator=g)  # a sequence's positions scattered over the cache
+    table = torch.zeros(len(SEQUENCES), max(c + n for c, n in SEQUENCES), dtype=torch.long)
+    row_seq, row_len, at = [], [], 0
+    for i, (c, n) in enumerate(SEQUENCES):
+        table[i, : c + n] = slots[at : at + c + n]
+        at += c + n
+        row_seq += [i] * n
+        row_len += list(range(c + 1, c + n + 1))
+    q = torch.randn(len(row_seq), heads, d, generator=g)
+    return q, k_cache, v_cache, table, torch.tensor(row_seq), torch.tensor(row_len)
+
+
+def _attend(q, k_cache, v_cache, table, row_seq, row_len):
+    scale = q.shape[-1] ** -0.5
+    return torch.ops.dynaspec.paged_attention_rows(q, k_cache, v_cache, table, row_seq, row_len, scale)
+
+
+def _reference(q, k_cache, v_cache, table, row_seq, row_len):
+    heads, kv_heads, d = q.shape[1], k_cache.shape[1], q.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        keys = table[row_seq[t], : row_len[t]]
+        k = k_cache[keys].double().repeat_interleave(heads // kv_heads, dim=1)  # [n, heads, d]
+        v = v_cache[keys].double().repeat_interleave(heads // kv_heads, dim=1)
+        w = torch.einsum("hd,nhd->hn", q[t].double(), k) * d**-0.5
+        out[t] = torch.einsum("hn,nhd->hd", w.softmax(-1), v)
+    return out
+
+
+# head sizes: 128 and 64 (the AVX-512 path, 8 and 4 chunks of 16), 24 (the scalar path); groups of
+# 6 and 7 query heads per KV head (the 1.5B and 0.5B Qwen models: tiles of 3, 3 and 3, 3, 1)
+SHAPES = [(12, 2, 128), (14, 2, 64), (4, 2, 24)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_a_float64_reference(heads, kv_heads, d, dtype):
+    case = _case(heads, kv_heads, d, dtype)
+    torch.testing.assert_close(_attend(*case).double(), _reference(*case), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_is_bitwise_the_same_alone_or_shared(heads, kv_heads, d, dtype):
+    q, k_cache, v_cache, table, row_seq, row_len = _case(heads, kv_heads, d, dtype)
+    together = _attend(q, k_cache, v_cache, table, row_seq, row_len)
+    for t in range(q.shape[0]):
+        alone = _attend(q[t : t + 1], k_cache, v_cache, table, row_seq[t : t + 1], row_len[t : t + 1])
+        assert torch.equal(alone[0], together[t]), f"row {t} differs alone"
+    # one sequence's rows without the others, and in a different order of sequences
+    order = torch.argsort(row_seq, descending=True, stable=True)
+    shuffled = _attend(q[order].contiguous(), k_cache, v_cache, table, row_seq[order], row_len[order])
+    assert torch.equal(shuffled, together[order])
