@@ -133,6 +133,17 @@ sweep_mixed_ngram() {  # the mixed stream with n-gram drafting and its auto prof
         --configs none,goodput,per-request --result-file results/sweep_mixed_ngram.json \
         --plot results/sweep_mixed_ngram.png 2>&1 | grep -v "$QUIET" | tee results/sweep_mixed_ngram.log
 }
+rollout_lowest_bound() {  # the shape rollout_bound.py rates lowest (N=32, median 128, sigma 1.2, cap 2048):
+    # $1 speculative config, $2 profile, $3 result name (results/epyc/ holds the AMD EPYC runs)
+    $D bench rollout --model $MODEL --speculative-config "$1" --profile "$2" --dataset humaneval \
+        --num-prompts 32 --lengths longtail --median-tokens 128 --length-sigma 1.2 --max-tokens 2048 --rounds 2 \
+        --result-file results/$3.json --plot results/$3.png 2>&1 | grep -v "$QUIET" | tee results/$3.log
+}
+rollout_pair_epyc() { rollout_lowest_bound "$SPEC" results/epyc/profile_qwen_pair_humaneval.json epyc/bench_rollout_pair; }
+rollout_ngram_epyc() {
+    rollout_lowest_bound '{"method": "ngram", "num_speculative_tokens": 5}' results/epyc/profile_ngram_auto.json \
+        epyc/bench_rollout_ngram
+}
 for step in ${STEPS:-profile sweep_mixed rollout sweep_cross}; do
     "$step"
 done
