@@ -10,11 +10,13 @@
 //
 // The K/V cache is float32 or bfloat16; queries and outputs are float32. Work items are (block, KV
 // head) pairs, a block being up to kBlockRows consecutive rows of one sequence (a request's
-// verified window, or a slice of its prefill chunk): every query of the block, its rows times the
-// heads of one KV group, is computed against each key and value while that one is in L1, so a
-// sequence's cache is read once per block instead of once per row. Each row's arithmetic is the
-// same as it would be alone (its keys 0..p in order, its own partial sums), so blocking changes
-// no result.
+// verified window, or a slice of its prefill chunk), whose queries are its rows times the heads of
+// one KV group. With head sizes a multiple of 16 (AVX-512): scores go 16 keys at a time, every
+// query of the block against a tile of keys while it is in L1, each query's 16 dot products added
+// up by one fixed tree; values are accumulated in registers for up to 3 heads of a row at a time,
+// over the row's keys in order. Other head sizes take scalar loops in the same shape. Either way a
+// row's arithmetic is the same as it would be alone (its keys 0..p in order, its own partial sums),
+// so the blocking changes no result.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -70,7 +72,7 @@ inline std::vector<int64_t> block_starts(const int64_t* row_seq, int64_t rows) {
   return starts;
 }
 
-// Softmax of each query's scores over its own keys, in place; returns 1 / the sum of its weights.
+// Softmax of each query's scores over its own keys, in place; inv[x] = 1 / the sum of its weights.
 inline void softmax_rows(float* scores, int64_t stride, const int64_t* lens, int64_t group, int64_t nq,
                          float* inv) {
   for (int64_t x = 0; x < nq; ++x) {
