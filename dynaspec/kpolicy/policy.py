@@ -456,7 +456,7 @@ class GoodputK:
         for i in order:
             prefix.append(prefix[-1] + cost[i])
         plain = self.itl(bs, 0)
-        drafted_cost = functools.lru_cache(maxsize=None)(functools.partial(self.drafted_cost, bs))
+        drafted_cost = self._drafted_pricer(bs)
         scores = self._scores(bs, plain, alpha, prefix, drafted_cost)  # {(k, n): goodput}
         wanted = max(scores, key=lambda kn: (scores[kn], -kn[0], kn[1]))[0] if scores else 0
         k = self.hysteresis.update(wanted)
@@ -499,18 +499,30 @@ class GoodputK:
         bs has them at this bs's prices: on this CPU whole 16-row blocks), less that K's drafter
         passes over bs rows, plus the drafter passes actually run, one per layer of its rows
         (``StepCostModel.draft_pass_ms``: none for n-gram)."""
-        drafted = sum(layers)
-        if not drafted or bs <= 0:
-            return 0.0
-        k = min(drafted / bs, float(self.max_k))
-        lo = int(k)
-        low, plain = self.itl(bs, lo), self.itl(bs, 0)
-        high = self.itl(bs, lo + 1) if k > lo else low
-        if low is None or high is None or plain is None:
-            return float("inf")
-        spec = low + (high - low) * (k - lo)
-        target = max(0.0, spec - plain - k * self.costs.draft_pass_ms(bs))
-        return target + sum(self.costs.draft_pass_ms(rows) for rows in layers if rows)
+        return self._drafted_pricer(bs)(layers)
+
+    def _drafted_pricer(self, bs: int) -> Callable[[tuple[int, ...]], float]:
+        """``drafted_cost`` at one load, memoized: the grid's row at bs and the drafter's passes
+        read once, for the many sets of layers one choice prices."""
+        row = [self.itl(bs, k) for k in range(self.max_k + 1)] if bs > 0 else []
+        draft_pass = functools.cache(self.costs.draft_pass_ms)
+
+        @functools.cache
+        def cost(layers: tuple[int, ...]) -> float:
+            drafted = sum(layers)
+            if not drafted or bs <= 0:
+                return 0.0
+            k = min(drafted / bs, float(self.max_k))
+            lo = int(k)
+            low, plain = row[lo], row[0]
+            high = row[lo + 1] if k > lo else low
+            if low is None or high is None or plain is None:
+                return float("inf")
+            spec = low + (high - low) * (k - lo)
+            target = max(0.0, spec - plain - k * draft_pass(bs))
+            return target + sum(draft_pass(rows) for rows in layers if rows)
+
+        return cost
 
     def _scores(
         self,
