@@ -284,13 +284,13 @@ def test_refine_drafts_gives_k_to_the_requests_that_accept():
 
     good, poor = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.02]
 
+    def drafted(m):
+        return sum(layer(c, j) for j, c in enumerate(m) if c)
+
     def goodput(ks, rates):
         m = [sum(k > j for k in ks) for j in range(4)]
         tokens = len(ks) + sum(sum(r[:k]) for r, k in zip(rates, ks))
-        return tokens / (50.0 + sum(layer(c, j) for j, c in enumerate(m) if c))
-
-    def drafted(m):
-        return sum(layer(c, j) for j, c in enumerate(m))
+        return tokens / (50.0 + drafted(m))
 
     rates = [good, poor, good, poor]
     start = [2, 2, 2, 2]  # a uniform K
