@@ -1,0 +1,39 @@
+"""How long the goodput policy takes to choose K for one step (it runs on the engine's hot path):
+per-request and batch-level, at loads of 8 and 32, a third of the requests still owing the drafter
+part of their prompt, on a profile's grid.
+
+    .venv/bin/python benchmarks/choose_time.py [--profile results/epyc/profile_qwen_pair_humaneval.json]
+"""
+
+import argparse
+import time
+
+from dynaspec.engine.types import DraftCandidate
+from dynaspec.kpolicy.policy import GoodputK
+from dynaspec.kpolicy.profile import load_profile
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default="results/epyc/profile_qwen_pair_humaneval.json")
+    p.add_argument("--repeats", type=int, default=50)
+    args = p.parse_args()
+    profile = load_profile(args.profile)
+    print(f"{'rule':<12} {'load':>5} {'ms per choice':>14}")
+    for per_request in (True, False):
+        rule = GoodputK(profile, profile.max_num_speculative_tokens, per_request=per_request)
+        for bs in (8, 32):
+            candidates = [
+                DraftCandidate(1 + (i % 3) * 50, 100, prompt_tokens=100, max_tokens=128, request_id=str(i))
+                for i in range(bs)
+            ]
+            rule.choose(candidates)
+            start = time.perf_counter()
+            for _ in range(args.repeats):
+                rule.choose(candidates)
+            ms = (time.perf_counter() - start) / args.repeats * 1000
+            print(f"{'per-request' if per_request else 'batch-level':<12} {bs:>5} {ms:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()
