@@ -149,7 +149,8 @@ def test_hundred_concurrent_requests_spread_over_both_replicas(ingress):
         return delta if sum(delta.values()) >= 100 else None
 
     delta = poll(served, timeout=20)
-    assert len(delta) == 2 and all(v > 0 for v in delta.values()), delta  # both served a share
+    # the router counts each request from its choice: a burst splits about evenly
+    assert len(delta) == 2 and min(delta.values()) >= 30, delta
     choices = metrics(base)["dynaspec:router_choices_total"]
     assert len(choices) >= 2 and all(v > 0 for v in choices.values())
     assert metrics(base)["dynaspec:num_replicas"][""] == 2

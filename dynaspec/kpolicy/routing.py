@@ -105,10 +105,9 @@ def rank(candidates: Sequence[Candidate]) -> list[str]:
 
 
 def sample(replicas: Sequence[str], rng: random.Random, d: int = 2) -> list[str]:
-    """d distinct replicas drawn uniformly (all of them when there are at most d)."""
-    if len(replicas) <= d:
-        return list(replicas)
-    return rng.sample(list(replicas), d)
+    """d distinct replicas drawn uniformly (all of them when there are at most d), in random
+    order: the first of two equal ones is either."""
+    return rng.sample(list(replicas), min(d, len(replicas)))
 
 
 def choose(candidates: Sequence[Candidate], rng: random.Random, d: int = 2) -> list[str]:

@@ -5,6 +5,13 @@ Reports arrive two ways: Ray Serve's controller polls every replica's ``record_r
 and every finished request's stream ends with its replica's report, so a busy replica's is
 never older than its last finished request. The newer report (by the replica's clock) wins.
 
+Between reports the router counts the requests it sent each replica (``routed_since``), from the
+moment it chooses one: Serve confirms a route (``on_request_routed``) only once the replica has
+accepted it, a round trip later, and a burst of requests is chosen for before the first
+confirmation comes back. A report drops the routes to its replica that were confirmed before it
+was measured; a choice never confirmed (its request was cancelled) is dropped after
+``UNCONFIRMED_ROUTE_S``.
+
 The router (Ray instantiates it from its class, inside the deployment handle) and the ingress's
 /metrics share one board per deployment through ``board_for(name)``: the one process-wide
 registry here, because Ray gives the router no other way in.
@@ -14,7 +21,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 
 from dynaspec.kpolicy.routing import Candidate
@@ -59,11 +65,22 @@ class ReplicaReport:
 COUNTERS = ("requests_served", "generation_tokens", "prompt_tokens", "num_drafts", "num_draft_tokens")
 
 
+UNCONFIRMED_ROUTE_S = 30.0  # a choice Serve never confirmed is forgotten after this long
+
+
+@dataclass(slots=True)
+class _Route:
+    replica: str
+    chosen: float  # ingress clock
+    confirmed: float | None = None  # when Serve said the replica accepted it
+
+
 class ReplicaBoard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.reports: dict[str, ReplicaReport] = {}  # live replicas' latest reports
-        self._routes: dict[str, deque[float]] = {}  # when the router sent requests there (ingress clock)
+        self._routes: dict[str, dict[str, _Route]] = {}  # replica -> {request: route} since its report
+        self._where: dict[str, str] = {}  # request -> the replica it was last chosen for
         self.choices: dict[str, int] = {}  # requests routed per replica, ever
         self.retired: dict[str, ReplicaReport] = {}  # last reports of replicas that went away
 
@@ -75,21 +92,49 @@ class ReplicaBoard:
             if report.replica in self.retired:
                 return
             self.reports[report.replica] = report
-            routes = self._routes.get(report.replica)
-            while routes and routes[0] <= report.time:
-                routes.popleft()
+            routes = self._routes.get(report.replica, {})
+            stale = time.time() - UNCONFIRMED_ROUTE_S
+            for request, route in list(routes.items()):
+                counted = route.confirmed is not None and route.confirmed <= report.time
+                if counted or (route.confirmed is None and route.chosen < stale):
+                    self._drop(request)
 
-    def routed(self, replica: str) -> None:
+    def chose(self, replica: str, request: str) -> None:
+        """The router ranked ``replica`` first for ``request`` (not yet sent: Serve may still
+        send it to the next rank, or choose again)."""
         with self._lock:
-            self._routes.setdefault(replica, deque()).append(time.time())
+            self._drop(request)
+            self._add(replica, request, _Route(replica, time.time()))
+
+    def routed(self, replica: str, request: str) -> None:
+        """Serve sent ``request`` to ``replica`` and the replica accepted it."""
+        now = time.time()
+        with self._lock:
+            route = self._routes.get(replica, {}).get(request)
+            if route is None:  # chosen elsewhere first (that rank was full), or never recorded
+                self._drop(request)
+                route = _Route(replica, now)
+                self._add(replica, request, route)
+            route.confirmed = now
             self.choices[replica] = self.choices.get(replica, 0) + 1
+
+    def _add(self, replica: str, request: str, route: _Route) -> None:
+        self._routes.setdefault(replica, {})[request] = route
+        self._where[request] = replica
+
+    def _drop(self, request: str) -> None:
+        replica = self._where.pop(request, None)
+        if replica is not None:
+            self._routes.get(replica, {}).pop(request, None)
 
     def keep_only(self, live: set[str]) -> None:
         """Forget replicas no longer running (their counters stay in the aggregates)."""
         with self._lock:
             for replica in [r for r in self.reports if r not in live]:
                 self.retired[replica] = self.reports.pop(replica)
-                self._routes.pop(replica, None)
+            for replica in [r for r in self._routes if r not in live]:
+                for request in self._routes.pop(replica):
+                    self._where.pop(request, None)
 
     def candidate(self, replica: str) -> Candidate:
         with self._lock:

@@ -3,7 +3,9 @@
 Ray Serve calls ``choose_replicas`` for each request with the running replicas (their routing
 stats attached: our ``ReplicaReport``s); the choice itself is ``kpolicy.routing.choose``, a pure
 function. We return each sampled replica as its own rank, best first, so Serve sends the request
-to the best one unless its queue is full (``max_ongoing_requests``), then the next. A request
+to the best one unless its queue is full (``max_ongoing_requests``), then the next. The board
+counts the request on the best one at once (see ``board``: a burst is chosen for before Serve
+confirms any of it). A request
 pinned to a replica (``replica=`` argument, from the ``X-Dynaspec-Replica`` header) goes there
 while that replica runs.
 """
@@ -36,12 +38,14 @@ class LoadAwareRouter(RequestRouter):
         sampled = sample(list(by_id), self.rng, self.num_choices)  # O(1) work past this point
         self._read_reports([by_id[i] for i in sampled])
         ranked = rank([self.board.candidate(i) for i in sampled])
+        if pending_request is not None:  # counted at once: the next request's choice sees it
+            self.board.chose(ranked[0], pending_request.metadata.internal_request_id)
         return [[by_id[i]] for i in ranked]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        self.board.routed(replica_id.unique_id)
+        self.board.routed(replica_id.unique_id, pending_request.metadata.internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's new replica list (after a start, a death, or new routing stats)."""
