@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +16,34 @@ from dynaspec.engine.types import Drafts, PromptLogits, SchedulePlan, TargetLogi
 from dynaspec.models.attention import build_attention_metadata
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.qlinear import kernel_error
+
+log = logging.getLogger(__name__)
+
+HEAP_BYTES = 1 << 30  # allocations up to this size come from malloc's heap, and this much freed stays
+
+
+@functools.cache
+def reuse_freed_memory() -> bool:
+    """Have glibc's malloc serve allocations up to 1 GiB from its heap and keep up to 1 GiB freed
+    there, for the whole process. By default it maps fresh pages for every allocation over 32 MiB
+    (its ceiling for the threshold it adapts) and unmaps them at free, so a step's logits (rows x
+    vocab x 4 bytes: 88 MB at 24 x 6 rows of a 151,936-token vocabulary) and the temporaries made
+    from them faulted in 21,000 new pages each, every step: writing 88 MB took 22 ms, and 2 ms in
+    reused memory. The price: memory a step freed stays the process's (its peak is unchanged).
+    What PyTorch's CPU guides get from tcmalloc or jemalloc, without preloading a library. Returns
+    whether it applied (glibc on Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    applied = mallopt(m_mmap_threshold, HEAP_BYTES) == 1 and mallopt(m_trim_threshold, HEAP_BYTES) == 1
+    if not applied:
+        log.warning("mallopt refused the heap thresholds: large allocations keep mapping fresh pages")
+    return applied
 
 
 @dataclass(slots=True)
@@ -31,6 +64,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.kv_caches = allocate_kv_cache(model.config, num_slots, dtype, device)
+        if device.type == "cpu":
+            reuse_freed_memory()
         # row-wise attention (batch invariant) where its C++ kernel runs
         self.rowwise = (
             device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and kernel_error() is None
@@ -61,7 +96,10 @@ class ModelRunner:
             scored.append(len(score))
         flat = self.run(runs)  # [sum of logit rows, vocab]
         sampled_rows = [run.logit_rows[n:] for run, n in zip(runs, scored)]
-        out = flat.new_zeros(sum(1 for rows in sampled_rows if rows), drafts.k + 1, flat.shape[-1])
+        width = drafts.k + 1
+        if not any(scored) and all(len(rows) == width for rows in sampled_rows):
+            return TargetLogits(flat.view(len(runs), width, flat.shape[-1]), prompts=[])  # no padding
+        out = flat.new_empty(sum(1 for rows in sampled_rows if rows), width, flat.shape[-1])
         prompts, row, at = [], 0, 0
         for run, r, n, rows in zip(runs, owners, scored, sampled_rows):
             if n:
@@ -70,6 +108,7 @@ class ModelRunner:
                 prompts.append(PromptLogits(r.request_id, flat[at : at + n], targets))
             if rows:
                 out[row, : len(rows)] = flat[at + n : at + n + len(rows)]
+                out[row, len(rows) :] = 0
                 row += 1
             at += n + len(rows)
         return TargetLogits(out, prompts)
