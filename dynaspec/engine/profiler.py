@@ -51,8 +51,9 @@ log = logging.getLogger(__name__)
 AUTO = "auto"  # dynamic_config_path: profile on first use, cached
 AUTO_MAX_K = 5  # the largest K an auto profile measures unless num_speculative_tokens says otherwise
 # how profiles are measured, in the auto profile's key: 2 = n-gram rows filled when timed (a
-# cached profile of an earlier version is measured again), batch sizes 1-32 with 12 and 24
-PROFILER_VERSION = 2
+# cached profile of an earlier version is measured again), batch sizes 1-32 with 12 and 24;
+# 3 = the engine's step costs changed under it (blocked attention, logits memory reused)
+PROFILER_VERSION = 3
 
 
 @dataclass(slots=True)
