@@ -137,25 +137,3 @@ def test_chat_messages_use_the_template(target_dir):
     assert r.prompt_token_ids == engine.tokenizer.encode(
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
-
-
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's mallopt")
-def test_a_large_freed_buffer_is_reused_without_faulting_in_new_pages():
-    """A step's logits (88 MB at 24 x 6 rows) reuse the last step's memory: glibc would otherwise map
-    and fault in fresh pages for every allocation over 32 MiB (22 ms per 88 MB on the EPYC)."""
-    import resource
-
-    import torch
-
-    from dynaspec.engine.runner import reuse_freed_memory
-
-    assert reuse_freed_memory()
-
-    def faults_to_fill(nbytes: int) -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        torch.empty(nbytes // 4).fill_(1.0)  # allocated, written, freed
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    nbytes = 64 << 20  # 16,384 pages of 4 KiB
-    faults_to_fill(nbytes)
-    assert faults_to_fill(nbytes) < 1000

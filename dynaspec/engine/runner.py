@@ -28,9 +28,10 @@ def reuse_freed_memory() -> bool:
     there, for the whole process. By default it maps fresh pages for every allocation over 32 MiB
     (its ceiling for the threshold it adapts) and unmaps them at free, so a step's logits (rows x
     vocab x 4 bytes: 88 MB at 24 x 6 rows of a 151,936-token vocabulary) and the temporaries made
-    from them faulted in 21,000 new pages each, every step: writing 88 MB took 22 ms, and 2 ms in
-    reused memory. The price: memory a step freed stays the process's (its peak is unchanged).
-    What PyTorch's CPU guides get from tcmalloc or jemalloc, without preloading a library. Returns
+    from them faulted in 21,000 new pages each, every step: writing 88 MB took 24 ms, and 1 ms in
+    reused memory (benchmarks/logits_memory.py). The price: memory a step freed stays the
+    process's (the README's main command peaked at 2095 MiB of RSS where it peaked at 1990). What
+    PyTorch's CPU guides get from tcmalloc or jemalloc, without preloading a library. Returns
     whether it applied (glibc on Linux only)."""
     if not sys.platform.startswith("linux"):
         return False
