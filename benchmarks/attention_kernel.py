@@ -6,10 +6,9 @@ plain decode step (24 of 1) at 800 tokens of context and at 40, and a 200-token 
     .venv/bin/python benchmarks/attention_kernel.py          # seconds
 """
 
-import time
-
 import torch
 
+from dynaspec.bench.common import ms_per_call
 from dynaspec.models.kernels import kernel_error
 
 HEADS, KV_HEADS, D, LAYERS = 12, 2, 128, 28
@@ -29,12 +28,7 @@ def main() -> None:
         q = torch.randn(seqs * new, HEADS, D)
 
         args = (q, k_cache, v_cache, table, row_seq, row_len, D**-0.5)
-        torch.ops.dynaspec.paged_attention_rows(*args)
-        n = 10
-        start = time.perf_counter()
-        for _ in range(n):
-            torch.ops.dynaspec.paged_attention_rows(*args)
-        ms = (time.perf_counter() - start) / n * 1000
+        ms = ms_per_call(lambda args=args: torch.ops.dynaspec.paged_attention_rows(*args), 10)
         gflops = int(row_len.sum()) * HEADS * D * 4 / ms / 1e6
         print(f"{ctx:>8} {new:>5} {seqs:>5} {ms:>9.2f} {ms * LAYERS:>8.0f} {gflops:>8.1f}")
 

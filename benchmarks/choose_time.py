@@ -6,8 +6,8 @@ part of their prompt, on a profile's grid.
 """
 
 import argparse
-import time
 
+from dynaspec.bench.common import ms_per_call
 from dynaspec.engine.types import DraftCandidate
 from dynaspec.kpolicy.policy import GoodputK
 from dynaspec.kpolicy.profile import load_profile
@@ -27,11 +27,7 @@ def main() -> None:
                 DraftCandidate(1 + (i % 3) * 50, 100, prompt_tokens=100, max_tokens=128, request_id=str(i))
                 for i in range(bs)
             ]
-            rule.choose(candidates)
-            start = time.perf_counter()
-            for _ in range(args.repeats):
-                rule.choose(candidates)
-            ms = (time.perf_counter() - start) / args.repeats * 1000
+            ms = ms_per_call(lambda rule=rule, candidates=candidates: rule.choose(candidates), args.repeats)
             print(f"{'per-request' if per_request else 'batch-level':<12} {bs:>5} {ms:>14.2f}")
 
 

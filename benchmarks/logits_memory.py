@@ -10,19 +10,12 @@ since mallopt is process-wide.
 import argparse
 import subprocess
 import sys
-import time
 
 import torch
 
+from dynaspec.bench.common import ms_per_call
+
 SHAPES = ((1, 6), (4, 6), (8, 4), (32, 1), (32, 2), (24, 6))  # (batch, K + 1)
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats * 1000
 
 
 def measure(mode: str, vocab: int, repeats: int) -> None:
@@ -32,8 +25,8 @@ def measure(mode: str, vocab: int, repeats: int) -> None:
         assert reuse_freed_memory()
     for bs, width in SHAPES:
         flat = torch.randn(bs * width, vocab)
-        fill_ms = timed(lambda rows=bs * width: torch.empty(rows, vocab).fill_(1.0), repeats)
-        copy_ms = timed(lambda flat=flat, bs=bs, width=width: padded_copy(flat, bs, width), repeats)
+        fill_ms = ms_per_call(lambda rows=bs * width: torch.empty(rows, vocab).fill_(1.0), repeats)
+        copy_ms = ms_per_call(lambda flat=flat, bs=bs, width=width: padded_copy(flat, bs, width), repeats)
         print(f"{mode},{bs},{width},{bs * width * vocab * 4 / 1e6:.0f},{fill_ms:.2f},{copy_ms:.2f}")
 
 

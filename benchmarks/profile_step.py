@@ -8,22 +8,13 @@ table over a few steps, and the output head alone (the figures behind results/RE
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dynaspec import SamplingParams
+from dynaspec.bench.common import ms_per_call
 from dynaspec.engine.engine import Engine, EngineConfig
-
-
-def timed(fn, n: int) -> float:
-    """Milliseconds per call of fn over n calls after one warm-up call."""
-    fn()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - start) / n * 1000
 
 
 def main() -> None:
@@ -39,10 +30,10 @@ def main() -> None:
         engine.add_request(ids, params)
     for _ in range(10):  # prefill and warm-up
         engine.step()
-    step_ms = timed(engine.step, args.steps)
+    step_ms = ms_per_call(engine.step, args.steps)
     print(f"batch {args.batch_size}: {step_ms:.1f} ms per step, {args.batch_size * 1000 / step_ms:.1f} tok/s")
     hidden = torch.randn(args.batch_size, engine.model_config.hidden_size)
-    head_ms = timed(lambda: engine.runner.model.compute_logits(hidden), args.steps)
+    head_ms = ms_per_call(lambda: engine.runner.model.compute_logits(hidden), args.steps)
     print(f"output head alone: {head_ms:.1f} ms")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(5):

@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: environment record, tables, JSON results."""
+"""Shared by the benchmarks: environment record, tables, JSON results, timing a call."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import datetime
 import json
 import platform
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,15 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "command": " ".join(sys.argv),
     }
+
+
+def ms_per_call(fn: Callable[[], object], calls: int) -> float:
+    """Milliseconds per call of fn over ``calls`` calls, after one warm-up call."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1000
 
 
 def command_args(args: argparse.Namespace) -> dict[str, Any]:
