@@ -133,7 +133,8 @@ sweep_mixed_ngram() {  # the mixed stream with n-gram drafting and its auto prof
         --configs none,goodput,per-request --result-file results/sweep_mixed_ngram.json \
         --plot results/sweep_mixed_ngram.png 2>&1 | grep -v "$QUIET" | tee results/sweep_mixed_ngram.log
 }
-rollout_lowest_bound() {  # the shape rollout_bound.py rates lowest (N=32, median 128, sigma 1.2, cap 2048):
+rollout_lowest_bound() {  # the shape rollout_bound.py rated lowest by the EPYC's first pair profile
+    # (3fc64bd: N=32, median 128, sigma 1.2, cap 2048; RESULTS has what later profiles rate lowest)
     # $1 speculative config, $2 profile, $3 result name (results/epyc/ holds the AMD EPYC runs)
     $D bench rollout --model $MODEL --speculative-config "$1" --profile "$2" --dataset humaneval \
         --num-prompts 32 --lengths longtail --median-tokens 128 --length-sigma 1.2 --max-tokens 2048 --rounds 2 \

@@ -99,7 +99,7 @@ class ModelRunner:
         sampled_rows = [run.logit_rows[n:] for run, n in zip(runs, scored)]
         width = drafts.k + 1
         if not any(scored) and all(len(rows) == width for rows in sampled_rows):
-            return TargetLogits(flat.view(len(runs), width, flat.shape[-1]), prompts=[])  # no padding
+            return TargetLogits(flat.view(len(runs), width, flat.shape[-1]))  # no padding
         out = flat.new_empty(sum(1 for rows in sampled_rows if rows), width, flat.shape[-1])
         prompts, row, at = [], 0, 0
         for run, r, n, rows in zip(runs, owners, scored, sampled_rows):

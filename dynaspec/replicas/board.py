@@ -103,8 +103,7 @@ class ReplicaBoard:
         """The router ranked ``replica`` first for ``request`` (not yet sent: Serve may still
         send it to the next rank, or choose again)."""
         with self._lock:
-            self._drop(request)
-            self._add(replica, request, _Route(replica, time.time()))
+            self._place(request, _Route(replica, time.time()))
 
     def routed(self, replica: str, request: str) -> None:
         """Serve sent ``request`` to ``replica`` and the replica accepted it."""
@@ -112,15 +111,16 @@ class ReplicaBoard:
         with self._lock:
             route = self._routes.get(replica, {}).get(request)
             if route is None:  # chosen elsewhere first (that rank was full), or never recorded
-                self._drop(request)
                 route = _Route(replica, now)
-                self._add(replica, request, route)
+                self._place(request, route)
             route.confirmed = now
             self.choices[replica] = self.choices.get(replica, 0) + 1
 
-    def _add(self, replica: str, request: str, route: _Route) -> None:
-        self._routes.setdefault(replica, {})[request] = route
-        self._where[request] = replica
+    def _place(self, request: str, route: _Route) -> None:
+        """The request's one route from now on (an earlier one, on any replica, is dropped)."""
+        self._drop(request)
+        self._routes.setdefault(route.replica, {})[request] = route
+        self._where[request] = route.replica
 
     def _drop(self, request: str) -> None:
         replica = self._where.pop(request, None)
