@@ -20,7 +20,7 @@ SHAPES = ((1, 6), (4, 6), (8, 4), (32, 1), (32, 2), (24, 6))  # (batch, K + 1)
 
 def measure(mode: str, vocab: int, repeats: int) -> None:
     if mode == "reuse":
-        from dynaspec.engine.runner import reuse_freed_memory
+        from dynaspec.heap import reuse_freed_memory
 
         assert reuse_freed_memory()
     for bs, width in SHAPES:

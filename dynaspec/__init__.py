@@ -1,6 +1,10 @@
 """dynaspec: LLM inference with speculative decoding whose K adapts to load."""
 
-from dynaspec.sampling_params import SamplingParams
+from dynaspec.heap import one_arena
+
+one_arena()  # before any other thread allocates: see dynaspec/heap.py
+
+from dynaspec.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "CompletionOutput", "SamplingParams"]
 __version__ = "0.1.0"

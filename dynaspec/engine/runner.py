@@ -2,49 +2,19 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from dynaspec.engine.kv_cache import allocate_kv_cache
 from dynaspec.engine.types import Drafts, PromptLogits, SchedulePlan, TargetLogits
+from dynaspec.heap import reuse_freed_memory
 from dynaspec.models.attention import build_attention_metadata
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.qlinear import kernel_error
 
 log = logging.getLogger(__name__)
-
-HEAP_BYTES = 1 << 30  # allocations up to this size come from malloc's heap, and this much freed stays
-
-
-@functools.cache
-def reuse_freed_memory() -> bool:
-    """Have glibc's malloc serve allocations up to 1 GiB from its heap and keep up to 1 GiB freed
-    there, for the whole process. By default it maps fresh pages for every allocation over 32 MiB
-    (its ceiling for the threshold it adapts) and unmaps them at free, so a step's logits (rows x
-    vocab x 4 bytes: 88 MB at 24 x 6 rows of a 151,936-token vocabulary) and the temporaries made
-    from them faulted in 21,000 new pages each, every step: writing 88 MB took 24 ms, and 1 ms in
-    reused memory (benchmarks/logits_memory.py). The price: memory a step freed stays the
-    process's (the README's main command peaked at 2095 MiB of RSS where it peaked at 1990). What
-    PyTorch's CPU guides get from tcmalloc or jemalloc, without preloading a library. Returns
-    whether it applied (glibc on Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    applied = mallopt(m_mmap_threshold, HEAP_BYTES) == 1 and mallopt(m_trim_threshold, HEAP_BYTES) == 1
-    if not applied:
-        log.warning("mallopt refused the heap thresholds: large allocations keep mapping fresh pages")
-    return applied
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from dynaspec.engine.engine import EngineConfig
+from dynaspec.heap import ARENA_ENV
 from dynaspec.models.loader import resolve_model
 from dynaspec.replicas.board import board_for
 from dynaspec.replicas.client import ReplicaClient
@@ -76,7 +77,12 @@ def deploy(config: EngineConfig, options: ReplicaOptions, board: str = APP_NAME)
         EngineReplica,
         name=DEPLOYMENT_NAME,
         num_replicas=options.num_replicas,
-        ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.gpus_per_replica},
+        ray_actor_options={
+            "num_cpus": options.cpus_per_replica,
+            "num_gpus": options.gpus_per_replica,
+            # one malloc arena (dynaspec/heap.py): Ray's worker has threads before it imports dynaspec
+            "runtime_env": {"env_vars": dict(ARENA_ENV)},
+        },
         max_ongoing_requests=max_ongoing_requests(config, options.max_waiting),
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         request_router_config=RequestRouterConfig(
