@@ -1,11 +1,19 @@
 """`dynaspec profile` on a tiny model writes a profile that loads and drives the engine."""
 
+import itertools
 import json
 
 from test_engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggered
 
 from dynaspec.cli import main
-from dynaspec.engine.profiler import ProfileSettings, measure_catchup, measure_itl
+from dynaspec.engine import profiler
+from dynaspec.engine.profiler import (
+    ProfileSettings,
+    measure_catchup,
+    measure_itl,
+    outlying_cells,
+    visit_order,
+)
 from dynaspec.kpolicy.profile import derive_table, load_profile
 
 
@@ -76,7 +84,13 @@ def test_itl_cells_are_visited_in_rounds_and_catchup_is_timed_on_lent_blocks(tar
         speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2},
     )
     settings = ProfileSettings(
-        batch_sizes=[1, 2], max_k=2, warmup_steps=1, measured_steps=1, rounds=3, catchup_rows=(1, 3)
+        batch_sizes=[1, 2],
+        max_k=2,
+        warmup_steps=1,
+        measured_steps=1,
+        rounds=3,
+        revisits=0,
+        catchup_rows=(1, 3),
     )
     timings = []
     stats = measure_itl(engine, PROMPTS, settings, progress=False, timings=timings)
@@ -97,7 +111,9 @@ def test_an_ngram_cell_times_every_row_drafting_its_whole_k(target_dir):
     draft at all); the profiler fills the rows, so the step timed at K verifies bs x (K+1) tokens,
     and drafts stop being filled once it is done."""
     engine = make_engine(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    settings = ProfileSettings(batch_sizes=[1, 3], max_k=2, warmup_steps=1, measured_steps=1, rounds=1)
+    settings = ProfileSettings(
+        batch_sizes=[1, 3], max_k=2, warmup_steps=1, measured_steps=1, rounds=1, revisits=0
+    )
     timings = []
     measure_itl(engine, PROMPTS, settings, progress=False, timings=timings)
     verified = [t.verify_tokens for t in timings if t.prefill_tokens == 0]
@@ -162,3 +178,46 @@ def test_auto_profiles_once_reuses_the_cache_and_replaces_a_corrupt_one(
     # another drafter configuration is another machine profile: its own file
     make_engine(target_dir, speculative_config={**spec, "num_speculative_tokens": 2})
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
+
+
+def test_visit_order_never_visits_a_cell_twice_in_a_row_and_every_cell_once_a_round():
+    for n, rounds in ((6, 3), (6, 2), (4, 3), (6, 1)):
+        orders = visit_order(list(range(n)), rounds)
+        assert len(orders) == rounds and all(sorted(o) == list(range(n)) for o in orders)
+        flat = [k for o in orders for k in o]
+        assert all(a != b for a, b in itertools.pairwise(flat))
+    # the old alternation's failure: K=0 ended round 2 and began round 3
+    assert visit_order(list(range(6)), 3)[1][-1] != visit_order(list(range(6)), 3)[2][0]
+
+
+def test_outlying_cells_flags_a_stray_cell_and_a_plain_step_dearer_than_a_speculative_one():
+    # the first EPYC pair profile at 8 requests: ITL(8, 0) 62.7 where 51-55 is its cost
+    noisy_8 = {0: 62.677, 1: 96.768, 2: 137.58, 3: 175.997, 4: 218.045, 5: 262.442}
+    assert outlying_cells(noisy_8) == [0]
+    # at 4 requests: K=2 121.5 off a line through 76, ..., 185 (and K=0 judged by it)
+    assert 2 in outlying_cells({0: 47.036, 1: 76.098, 2: 121.524, 3: 125.602, 4: 152.505, 5: 185.333})
+    # the second profile of the same pair: nothing flagged
+    clean = [
+        {0: 35.907, 1: 55.551, 2: 75.036, 3: 81.012, 4: 102.771, 5: 111.277},
+        {0: 55.165, 1: 106.482, 2: 155.133, 3: 203.271, 4: 243.272, 5: 297.528},
+        {0: 138.492, 1: 351.9, 2: 492.96, 3: 677.032, 4: 803.574, 5: 940.921},
+    ]
+    assert all(outlying_cells(row) == [] for row in clean)
+    # verifying more rows per request gets dearer per row (n-gram, 16 requests): K=0 is not flagged
+    assert outlying_cells({0: 77.907, 1: 124.854, 2: 167.556, 3: 219.371, 4: 272.479, 5: 323.631}) == []
+    # too few cells for a line, and empty rows: nothing
+    assert outlying_cells({0: 90.0, 1: 10.0, 2: 20.0}) == [] and outlying_cells({}) == []
+
+
+def test_outlying_cells_are_visited_again_and_recorded(target_dir, monkeypatch):
+    """Cells flagged as outlying are visited again, up to ``revisits`` times: the timed steps grow
+    by the revisits, and the revisited Ks are recorded per batch size."""
+    engine = make_engine(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    settings = ProfileSettings(
+        batch_sizes=[2], max_k=3, warmup_steps=0, measured_steps=1, rounds=1, revisits=2
+    )
+    monkeypatch.setattr(profiler, "outlying_cells", lambda row: sorted(row))  # every cell, every time
+    timings, revisited = [], {}
+    stats = measure_itl(engine, PROMPTS, settings, progress=False, timings=timings, revisited=revisited)
+    assert revisited == {2: [0, 1, 2, 3]} and sorted(stats[2]) == [0, 1, 2, 3]
+    assert sum(1 for t in timings if t.prefill_tokens == 0) == 4 + 2 * 4  # a round of 4 Ks, 2 revisits

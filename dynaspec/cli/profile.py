@@ -31,6 +31,13 @@ def add_parser(sub) -> None:
         help="visits of every (bs, K) cell, K interleaved so machine drift lands on every K alike; "
         "the median over all visits is kept",
     )
+    p.add_argument(
+        "--revisits",
+        type=int,
+        default=2,
+        help="times a cell off its batch size's line in K is visited again (its new steps' median "
+        "replaces its figure); 0: never",
+    )
     p.add_argument("--output", required=True, help="profile JSON to write")
     p.add_argument("--plot", default=None, help="PNG of goodput per K against batch size")
     p.set_defaults(func=run)
@@ -64,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         ("--rounds", args.rounds, 1),
         ("--measured-steps", args.measured_steps, 1),
         ("--warmup-steps", args.warmup_steps, 0),
+        ("--revisits", args.revisits, 0),
     )
     prompts = load_prompts(args.dataset, chat=True)
     kwargs = engine_kwargs(args)
@@ -78,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps,
         measured_steps=args.measured_steps,
         rounds=args.rounds,
+        revisits=args.revisits,
     )
     meta = {
         "model": args.model,

@@ -52,8 +52,9 @@ AUTO = "auto"  # dynamic_config_path: profile on first use, cached
 AUTO_MAX_K = 5  # the largest K an auto profile measures unless num_speculative_tokens says otherwise
 # how profiles are measured, in the auto profile's key: 2 = n-gram rows filled when timed (a
 # cached profile of an earlier version is measured again), batch sizes 1-32 with 12 and 24;
-# 3 = the engine's step costs changed under it (blocked attention, logits memory reused)
-PROFILER_VERSION = 3
+# 3 = the engine's step costs changed under it (blocked attention, logits memory reused); 4 = cells
+# visited in rotated order and outlying cells visited again
+PROFILER_VERSION = 4
 
 
 @dataclass(slots=True)
@@ -64,7 +65,8 @@ class ProfileSettings:
     acceptance_max_tokens: int = 96
     warmup_steps: int = 1  # per visit of a (bs, K) cell
     measured_steps: int = 2  # timed steps per visit
-    rounds: int = 3  # visits of every (bs, K) cell, K order reversed every other round
+    rounds: int = 3  # visits of every (bs, K) cell, in the order `visit_order` gives
+    revisits: int = 2  # times a cell off its batch size's line in K (`outlying_cells`) is visited again
     catchup_rows: tuple[int, ...] = (1, 2, 4)  # whole prompts per timed drafter catch-up pass
     catchup_repeats: int = 2
     temperature: float = 0.0
@@ -94,14 +96,63 @@ def measure_acceptance(
     return [rates[i] if i < len(rates) else 0.0 for i in range(settings.max_k)]
 
 
+REVISIT_TOLERANCE = 0.10  # a cell this far off its batch size's line in K is visited again
+
+
+def visit_order(ks: list[int], rounds: int) -> list[list[int]]:
+    """The K order of each round: round r starts r/rounds of the way along the Ks and every other
+    round runs backwards, so no cell is visited twice in a row (given more Ks than rounds) and
+    drift lands on the Ks alike. Plain alternation (0..5, 5..0, 0..5) visited K=0 and K=max twice
+    in a row, so 4 of their 6 timed steps fell in one stretch of a shared CPU: the first EPYC
+    profile's ITL(8, 0) was 62.7 ms where 51-55 is its cost, and the policy speculated at 8
+    requests where plain decoding was faster (results/RESULTS.md)."""
+    orders = []
+    for r in range(rounds):
+        shift = r * len(ks) // rounds
+        order = ks[shift:] + ks[:shift]
+        orders.append(order[::-1] if r % 2 else order)
+    return orders
+
+
+def outlying_cells(row: dict[int, float], tolerance: float = REVISIT_TOLERANCE) -> list[int]:
+    """The Ks of one batch size's cells (K -> ms) that look like noise, to be timed again.
+
+    Each K adds a drafter pass and bs verified tokens, so for K >= 1 a step's time is close to a
+    line in K; its Theil-Sen fit (median slope, median intercept) ignores one stray cell. A K >= 1
+    cell more than ``tolerance`` off the line is an outlier. So is K = 0 above, by as much, the
+    line through K = 1 and 2 at 0: plain decoding costs no more than a speculative step without
+    its drafts (the local line, since verifying more rows per request gets dearer per row, and a
+    line through all Ks would put 0 too low). Fewer than three K >= 1 cells fit no line: nothing
+    is flagged."""
+    spec = sorted((k, ms) for k, ms in row.items() if k >= 1)
+    if len(spec) < 3:
+        return []
+    slope = statistics.median(
+        (b - a) / (kb - ka) for i, (ka, a) in enumerate(spec) for kb, b in spec[i + 1 :]
+    )
+    intercept = statistics.median(ms - slope * k for k, ms in spec)
+    line = {k: intercept + slope * k for k, _ in spec}
+    flagged = [k for k, ms in spec if abs(ms - line[k]) > tolerance * line[k]]
+    no_drafts = 2 * row[1] - row[2] if 1 in row and 2 in row else intercept
+    if 0 in row and no_drafts > 0 and row[0] > (1 + tolerance) * no_drafts:
+        flagged.insert(0, 0)
+    return flagged
+
+
 def measure_itl(
     engine: Engine,
     prompts: list,
     settings: ProfileSettings,
     progress: bool = True,
     timings: list | None = None,
+    revisited: dict[int, list[int]] | None = None,
 ) -> dict[int, dict[int, float]]:
     """Median step time in ms for each batch size and K = 0..max_k, K interleaved in rounds.
+
+    After its rounds, a batch size's outlying cells (``outlying_cells``) are visited again, up to
+    ``settings.revisits`` times, and such a cell's figure is the median of its new steps alone
+    (the first ones are what made it look wrong); a cell that is truly off the line measures the
+    same again and keeps its figure. The Ks visited again go into ``revisited`` per batch size.
 
     Every request drafts K tokens in a step timed at K: the proposer fills its rows
     (``fill_drafts``). An n-gram lookup that found no match would otherwise propose nothing, and
@@ -112,6 +163,17 @@ def measure_itl(
     ks = list(range(settings.max_k + 1))
     visits = len(settings.batch_sizes) * len(ks) * settings.rounds
     steps_per_visit = settings.warmup_steps + settings.measured_steps
+
+    def visit(k: int) -> list[float]:
+        timed = []
+        with _fixed_k(engine, k):
+            for step in range(steps_per_visit):
+                start = time.perf_counter()
+                engine.step()
+                if step >= settings.warmup_steps:
+                    timed.append((time.perf_counter() - start) * 1000)
+        return timed
+
     with (
         tqdm(total=visits, desc="ITL(bs, K)", unit="visit", disable=not progress) as bar,
         engine.recording() as run,
@@ -119,7 +181,9 @@ def measure_itl(
     ):
         for bs in settings.batch_sizes:
             # enough tokens for every visit to run its steps without any request finishing
-            budget = settings.rounds * len(ks) * steps_per_visit * (settings.max_k + 1) + 8
+            budget = (settings.rounds + settings.revisits) * len(ks) * steps_per_visit * (
+                settings.max_k + 1
+            ) + 8
             params = SamplingParams(
                 max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0
             )
@@ -128,16 +192,25 @@ def measure_itl(
                 while not all(r.is_decoding for r in requests):  # prefill everyone first
                     engine.step()
             times: dict[int, list[float]] = {k: [] for k in ks}
-            for rnd in range(settings.rounds):
-                for k in ks if rnd % 2 == 0 else ks[::-1]:
-                    with _fixed_k(engine, k):
-                        for step in range(steps_per_visit):
-                            start = time.perf_counter()
-                            engine.step()
-                            if step >= settings.warmup_steps:
-                                times[k].append((time.perf_counter() - start) * 1000)
+            for order in visit_order(ks, settings.rounds):
+                for k in order:
+                    times[k].extend(visit(k))
                     bar.update(1)
-            batch_stats[bs] = {k: round(statistics.median(t), 3) for k, t in times.items() if t}
+            again: dict[int, list[float]] = {}
+            for _ in range(settings.revisits):
+                row = {k: statistics.median(again.get(k) or t) for k, t in times.items() if t}
+                cells = outlying_cells(row)
+                if not cells:
+                    break
+                bar.total += len(cells)
+                for k in cells:
+                    again.setdefault(k, []).extend(visit(k))
+                    bar.update(1)
+            batch_stats[bs] = {
+                k: round(statistics.median(again.get(k) or t), 3) for k, t in times.items() if t
+            }
+            if revisited is not None and again:
+                revisited[bs] = sorted(again)
             for r in requests:
                 engine.abort(r.request_id)
     if timings is not None:
@@ -176,7 +249,8 @@ def run_profile(
 ) -> Profile:
     timings: list[StepTiming] = []
     alpha = measure_acceptance(engine, prompts, settings, progress, timings)
-    batch_stats = measure_itl(engine, prompts, settings, progress, timings)
+    revisited: dict[int, list[int]] = {}
+    batch_stats = measure_itl(engine, prompts, settings, progress, timings, revisited)
     measure_catchup(engine, prompts, settings, timings)
     return Profile(
         max_num_speculative_tokens=settings.max_k,
@@ -199,6 +273,8 @@ def run_profile(
                 "warmup_steps": settings.warmup_steps,
                 "measured_steps": settings.measured_steps,
                 "rounds": settings.rounds,
+                "revisits": settings.revisits,
+                "revisited": {str(bs): ks for bs, ks in revisited.items()},
                 "acceptance_prompts": settings.num_acceptance_prompts,
                 "acceptance_max_tokens": settings.acceptance_max_tokens,
                 "temperature": settings.temperature,
