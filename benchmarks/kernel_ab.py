@@ -1,0 +1,73 @@
+"""The engine's plain decode with the C++ kernels of a git revision against the working tree's
+(results/RESULTS.md, "The kernel's one-row loop and prefetch"): tok/s of engine steps at each
+batch size, each variant in its own process (the kernels build once per source version, cached),
+alternating in rounds.
+
+    .venv/bin/python benchmarks/kernel_ab.py --rev 52fede7 [--batch-sizes 1,8] [--rounds 2]
+"""
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent.parent / "dynaspec" / "models" / "csrc"
+CHILD = """
+import sys
+from pathlib import Path
+import dynaspec.models.kernels as kernels
+if sys.argv[1] != "-":  # another revision's sources, before the kernels are first built
+    kernels.KERNEL_SOURCES = [Path(sys.argv[1]) / p.name for p in kernels.KERNEL_SOURCES]
+from dynaspec import SamplingParams
+from dynaspec.bench.common import ms_per_call
+from dynaspec.engine.engine import Engine, EngineConfig
+assert kernels.kernel_error() is None, kernels.kernel_error()
+engine = Engine(EngineConfig(model=sys.argv[2], progress=False, kv_cache_memory_gb=0.5))
+ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Write a quicksort in Python."}])
+params = SamplingParams(max_tokens=10**4, temperature=0.0, ignore_eos=True)
+for bs in map(int, sys.argv[3].split(",")):
+    requests = [engine.add_request(ids, params) for _ in range(bs)]
+    for _ in range(10):
+        engine.step()
+    print(f"bs {bs} {bs * 1000 / ms_per_call(engine.step, int(sys.argv[4])):.2f}")
+    for r in requests:
+        engine.abort(r.request_id)
+    while engine.has_unfinished():
+        engine.step()
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rev", required=True, help="git revision whose dynaspec/models/csrc is compared")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as old:
+        for f in CSRC.iterdir():
+            rel = f.relative_to(CSRC.parent.parent.parent).as_posix()
+            show = subprocess.run(["git", "show", f"{args.rev}:{rel}"], capture_output=True, check=False)
+            if show.returncode == 0:
+                (Path(old) / f.name).write_bytes(show.stdout)
+        print(
+            f"{'round':>5} {'kernels':>12} "
+            + " ".join(f"{'bs ' + b + ' tok/s':>12}" for b in args.batch_sizes.split(","))
+        )
+        for round_ in range(1, args.rounds + 1):
+            for name, src in ((args.rev, old), ("working tree", "-")):
+                out = subprocess.run(
+                    [sys.executable, "-c", CHILD, src, args.model, args.batch_sizes, str(args.steps)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
+                rates = re.findall(r"^bs \d+ ([\d.]+)$", out, re.M)
+                print(f"{round_:>5} {name:>12} " + " ".join(f"{r:>12}" for r in rates), flush=True)
+
+
+if __name__ == "__main__":
+    main()
