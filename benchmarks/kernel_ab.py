@@ -1,9 +1,11 @@
-"""The engine's plain decode with the C++ kernels of a git revision against the working tree's
-(results/RESULTS.md, "The kernel's one-row loop and prefetch"): tok/s of engine steps at each
-batch size, each variant in its own process (the kernels build once per source version, cached),
+"""The C++ kernels of a git revision against the working tree's (results/RESULTS.md, "The kernel's
+one-row loop and prefetch"): the engine's plain decode (tok/s of engine steps at each batch size),
+or with --stream, benchmarks/qmm_stream.py with the given arguments (weights streamed from memory).
+Each variant runs in its own process (the kernels build once per source version, then are cached),
 alternating in rounds.
 
     .venv/bin/python benchmarks/kernel_ab.py --rev 52fede7 [--batch-sizes 1,8] [--rounds 2]
+    .venv/bin/python benchmarks/kernel_ab.py --rev 52fede7 --stream "--format Q4_K --rows 1"
 """
 
 import argparse
@@ -14,12 +16,26 @@ import tempfile
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent.parent / "dynaspec" / "models" / "csrc"
-CHILD = """
+STREAM_SCRIPT = Path(__file__).resolve().parent / "qmm_stream.py"
+PATCH = """
 import sys
 from pathlib import Path
 import dynaspec.models.kernels as kernels
 if sys.argv[1] != "-":  # another revision's sources, before the kernels are first built
     kernels.KERNEL_SOURCES = [Path(sys.argv[1]) / p.name for p in kernels.KERNEL_SOURCES]
+"""
+STREAM = (
+    PATCH
+    + """
+import runpy
+script = sys.argv[3]
+sys.argv = [script, *sys.argv[2].split()]
+runpy.run_path(script, run_name="__main__")
+"""
+)
+ENGINE = (
+    PATCH
+    + """
 from dynaspec import SamplingParams
 from dynaspec.bench.common import ms_per_call
 from dynaspec.engine.engine import Engine, EngineConfig
@@ -37,6 +53,7 @@ for bs in map(int, sys.argv[3].split(",")):
     while engine.has_unfinished():
         engine.step()
 """
+)
 
 
 def main() -> None:
@@ -46,6 +63,7 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--stream", default=None, help="run benchmarks/qmm_stream.py with these arguments instead")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as old:
         for f in CSRC.iterdir():
@@ -53,18 +71,19 @@ def main() -> None:
             show = subprocess.run(["git", "show", f"{args.rev}:{rel}"], capture_output=True, check=False)
             if show.returncode == 0:
                 (Path(old) / f.name).write_bytes(show.stdout)
-        print(
-            f"{'round':>5} {'kernels':>12} "
-            + " ".join(f"{'bs ' + b + ' tok/s':>12}" for b in args.batch_sizes.split(","))
-        )
+        if args.stream is None:
+            sizes = args.batch_sizes.split(",")
+            print(f"{'round':>5} {'kernels':>12} " + " ".join(f"{'bs ' + b + ' tok/s':>12}" for b in sizes))
         for round_ in range(1, args.rounds + 1):
             for name, src in ((args.rev, old), ("working tree", "-")):
-                out = subprocess.run(
-                    [sys.executable, "-c", CHILD, src, args.model, args.batch_sizes, str(args.steps)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                ).stdout
+                if args.stream is not None:
+                    cmd = [sys.executable, "-c", STREAM, src, args.stream, str(STREAM_SCRIPT)]
+                else:
+                    cmd = [sys.executable, "-c", ENGINE, src, args.model, args.batch_sizes, str(args.steps)]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                if args.stream is not None:
+                    print(f"{round_:>5} {name:>12} {out.strip()}", flush=True)
+                    continue
                 rates = re.findall(r"^bs \d+ ([\d.]+)$", out, re.M)
                 print(f"{round_:>5} {name:>12} " + " ".join(f"{r:>12}" for r in rates), flush=True)
 
