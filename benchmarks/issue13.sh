@@ -140,7 +140,10 @@ rollout_lowest_bound() {  # the shape rollout_bound.py rated lowest by the EPYC'
         --num-prompts 32 --lengths longtail --median-tokens 128 --length-sigma 1.2 --max-tokens 2048 --rounds 2 \
         --result-file results/$3.json --plot results/$3.png 2>&1 | grep -v "$QUIET" | tee results/$3.log
 }
-rollout_pair_epyc() { rollout_lowest_bound "$SPEC" results/epyc/profile_qwen_pair_humaneval.json epyc/bench_rollout_pair; }
+rollout_pair_epyc() {  # PAIR_PROFILE, ROLLOUT_NAME: another profile and result name
+    rollout_lowest_bound "$SPEC" "${PAIR_PROFILE:-results/epyc/profile_qwen_pair_humaneval.json}" \
+        "${ROLLOUT_NAME:-epyc/bench_rollout_pair}"
+}
 rollout_ngram_epyc() {
     rollout_lowest_bound '{"method": "ngram", "num_speculative_tokens": 5}' results/epyc/profile_ngram_auto.json \
         epyc/bench_rollout_ngram
