@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -184,6 +185,15 @@ def _both_k(base: str, tail: str, burst: str) -> dict | None:
     if running.get(burst, 0) >= 3 and k.get(tail) == 4 and k.get(burst) == 0:
         return dict(k)
     return None
+
+
+def test_replicas_run_with_one_malloc_arena(ingress):
+    """Ray's workers start threads before they import dynaspec, so `one_arena` cannot apply there:
+    each replica's process gets MALLOC_ARENA_MAX=1 in its environment (dynaspec/heap.py)."""
+    _, client = ingress
+    for report in client.board.reports.values():
+        environ = Path(f"/proc/{report.pid}/environ").read_bytes().split(b"\0")
+        assert b"MALLOC_ARENA_MAX=1" in environ, report.pid
 
 
 def test_killed_replica_fails_only_its_requests_and_comes_back(ingress):
