@@ -144,9 +144,9 @@ rollout_pair_epyc() {  # PAIR_PROFILE, ROLLOUT_NAME: another profile and result 
     rollout_lowest_bound "$SPEC" "${PAIR_PROFILE:-results/epyc/profile_qwen_pair_humaneval.json}" \
         "${ROLLOUT_NAME:-epyc/bench_rollout_pair}"
 }
-rollout_ngram_epyc() {
-    rollout_lowest_bound '{"method": "ngram", "num_speculative_tokens": 5}' results/epyc/profile_ngram_auto.json \
-        epyc/bench_rollout_ngram
+rollout_ngram_epyc() {  # NGRAM_PROFILE, ROLLOUT_NAME: another profile and result name
+    rollout_lowest_bound '{"method": "ngram", "num_speculative_tokens": 5}' \
+        "${NGRAM_PROFILE:-results/epyc/profile_ngram_auto.json}" "${ROLLOUT_NAME:-epyc/bench_rollout_ngram}"
 }
 for step in ${STEPS:-profile sweep_mixed rollout sweep_cross}; do
     "$step"
