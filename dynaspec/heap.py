@@ -39,15 +39,21 @@ OPT_OUT = "DYNASPEC_MALLOC_DEFAULTS"  # set to 1: leave malloc as glibc sets it
 ARENA_ENV = {"MALLOC_ARENA_MAX": "1"}  # the same as one_arena, read by glibc when a process starts
 
 
+@functools.cache
+def _mallopt_fn():
+    """glibc's mallopt, loaded once; None off glibc or with the opt-out set."""
+    if not sys.platform.startswith("linux") or os.environ.get(OPT_OUT, "") not in ("", "0"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
 def _mallopt(*settings: tuple[int, int]) -> bool:
     """Apply (parameter, value) pairs with glibc's mallopt; whether all applied."""
-    if not sys.platform.startswith("linux") or os.environ.get(OPT_OUT, "") not in ("", "0"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return all(mallopt(param, value) == 1 for param, value in settings)
+    mallopt = _mallopt_fn()
+    return mallopt is not None and all(mallopt(param, value) == 1 for param, value in settings)
 
 
 @functools.cache
@@ -69,6 +75,6 @@ def reuse_freed_memory() -> bool:
     PyTorch's CPU guides get from tcmalloc or jemalloc, without preloading a library. Returns
     whether it applied (glibc on Linux only)."""
     applied = _mallopt((M_MMAP_THRESHOLD, HEAP_BYTES), (M_TRIM_THRESHOLD, HEAP_BYTES))
-    if not applied and sys.platform.startswith("linux") and os.environ.get(OPT_OUT, "") in ("", "0"):
+    if not applied and _mallopt_fn() is not None:  # glibc, asked for, and it refused
         log.warning("mallopt refused the heap thresholds: large allocations keep mapping fresh pages")
     return applied
