@@ -78,6 +78,30 @@ def test_rollout_runs_each_policy_again_with_a_draft_context_window(tmp_path, ta
     assert report["model"] is None  # no fixed K ran, so no acceptance to model with
 
 
+def test_ngram_rollout_configs_emit_none_s_text_in_each_round(tmp_path, target_dir):
+    """With n-gram drafts every configuration of a round samples the same text as no speculation,
+    and the next round's seeds give another text."""
+    profile, prompts = tiny_inputs(tmp_path)
+    result = tmp_path / "rollout.json"
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    rc = main(
+        [
+            "bench", "rollout", "--model", str(target_dir), "--dtype", "float32",
+            "--kv-cache-memory-gb", "0.02", "--speculative-config", json.dumps(spec),
+            "--profile", str(profile), "--dataset", str(prompts), "--num-prompts", "4",
+            "--lengths", "longtail", "--median-tokens", "8", "--max-tokens", "24",
+            "--fixed-ks", "1,2", "--rounds", "2", "--result-file", str(result),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    rows = {r["config"]: r for r in json.loads(result.read_text())["rows"]}
+    none = [rnd["text"] for rnd in rows["none"]["rounds"]]
+    assert none[0] != none[1]
+    for r in rows.values():
+        assert [rnd["text"] for rnd in r["rounds"]] == none
+        assert r["same_text_as_none"] == 2
+
+
 def test_modelled_makespans_pick_k_by_batch_size():
     from dynaspec.bench.rollout import modelled_makespans
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynaspec.engine.sampler import SamplingTensors, processed_probs
+from dynaspec.engine.sampler import SamplingTensors, processed_probs, sample_from
 from dynaspec.spec_decode.ngram import ngram_lookup
 from dynaspec.spec_decode.rejection import rejection_sample
 
@@ -64,6 +64,34 @@ def test_deterministic_drafts_rejection_preserves_target_distribution():
     drafts = torch.tensor([[2, 3]]).expand(N, K)  # n-gram style: q is one-hot
     out, p = _run(target_logits, None, drafts)
     assert _chi2(np.bincount([o[0] for o in out], minlength=V), p[0]) < CHI2_CRIT
+    assert abs(np.mean([o[0] == 2 for o in out]) - p[0][2]) < 0.02  # draft x is kept with p(x)
+    second = np.bincount([o[1] for o in out if len(o) > 1], minlength=V)  # after the first was kept
+    assert second.sum() > 1000
+    assert _chi2(second, p[1]) < CHI2_CRIT
+
+
+def test_deterministic_drafts_take_plain_decodings_draws():
+    """Each emitted token is the sample plain decoding would draw there from the same generator."""
+    gen = torch.Generator().manual_seed(2)
+    target_logits = torch.randn(1, K + 1, V, generator=gen) * 1.5
+    n = 400
+    sampling = SamplingTensors(
+        temperature=torch.ones(n),
+        top_k=torch.zeros(n, dtype=torch.long),
+        top_p=torch.ones(n),
+        generators=[torch.Generator().manual_seed(i) for i in range(n)],
+        all_greedy=False,
+    )
+    drafts = torch.randint(0, V, (n, K), generator=gen)
+    out = rejection_sample(target_logits.expand(n, K + 1, V), drafts, [K] * n, None, sampling)
+    p = processed_probs(target_logits, sampling.temperature[:1], sampling.top_k[:1], sampling.top_p[:1])[0]
+    for i, emitted in enumerate(out):
+        plain = torch.Generator().manual_seed(i)
+        assert emitted == [sample_from(p[j], plain) for j in range(len(emitted))]
+        kept = len(emitted) - 1
+        assert emitted[:kept] == drafts[i, :kept].tolist()
+        assert kept == K or emitted[kept] != drafts[i, kept]
+    assert any(len(o) > 1 for o in out) and any(len(o) == 1 for o in out)
 
 
 def test_a_wrong_acceptance_rule_would_be_caught():

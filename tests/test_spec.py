@@ -87,6 +87,19 @@ def test_sampled_speculation_is_reproducible_with_seed(target_dir, draft_dir):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_ngram_sampled_with_a_seed_equals_plain_sampled(target_dir, k):
+    """n-gram drafts take plain decoding's draws (rejection.py): a seeded sampled request emits the
+    same tokens with speculation as without, even when it joins a running batch."""
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=11, ignore_eos=True)
+    plain = run_alone(target_dir, PROMPTS, params)
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    engine = spec_engine(target_dir, spec)
+    assert run_staggered(engine, PROMPTS, params, arrive_every=2) == plain
+    stats = engine.stats()["spec"]
+    assert stats["num_accepted_tokens"] > 0  # drafts were verified and some kept
+
+
 def test_draft_with_another_tokenizer_is_refused(target_dir, tmp_path):
     import json
     import shutil

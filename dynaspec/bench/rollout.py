@@ -5,14 +5,18 @@ is then probabilistic), with output lengths left to the model (EOS under a high 
 drawn per request from a long-tailed (log-normal) distribution with a seed, so the batch drains to a
 tail of a few long requests. Configurations run side by side on the same prompts and the same
 per-request sampling seeds, in interleaved rounds (A B C ... then C B A ...): no speculation, fixed
-K, and with a `--profile` the profiled table and the goodput policy. Reported per configuration:
-the makespan (until the last request finishes), the times until 50% / 90% / 100% of requests
-finished, output tokens/s, and over time the running batch size and the K chosen (plotted).
+K, and with a `--profile` the profiled table and the goodput policy. The seeds change from round to
+round, so rounds average over texts; with n-gram drafting every configuration of a round emits the
+same text as no speculation (spec_decode/rejection.py), so a round compares K choices alone.
+Reported per configuration: the makespan (until the last request finishes), the times until 50% /
+90% / 100% of requests finished, output tokens/s, and over time the running batch size and the K
+chosen (plotted).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import math
 import random
@@ -109,7 +113,14 @@ def rollout(engine, prompts: list, params: list) -> dict:
             finish += [now for o in outs if o.finished]
     tokens = sum(len(r.output_token_ids) for r in requests)
     alpha = run.spec.acceptance_rate_per_pos
-    return {"finish": sorted(finish), "series": series, "tokens": tokens, "acceptance_per_pos": alpha}
+    text = hashlib.sha1(repr([r.output_token_ids for r in requests]).encode()).hexdigest()[:16]
+    return {
+        "finish": sorted(finish),
+        "series": series,
+        "tokens": tokens,
+        "acceptance_per_pos": alpha,
+        "text": text,
+    }
 
 
 def longest_step(series: list) -> float:
@@ -217,15 +228,20 @@ def run(args: argparse.Namespace) -> int:
     all_prompts = load_prompts(args.dataset, chat=True)
     prompts = [all_prompts[i % len(all_prompts)] for i in range(args.num_prompts)]
     caps = lengths_for(args, len(prompts))
-    params = [
-        SamplingParams(
-            max_tokens=cap,
-            temperature=args.temperature,
-            seed=args.rollout_seed * 100003 + i,
-            ignore_eos=args.lengths == "longtail",
-        )
-        for i, cap in enumerate(caps)
-    ]
+
+    def params(rnd: int) -> list[SamplingParams]:
+        # seeds change with the round, so rounds average over texts; within one, every config
+        # gets the same (with n-gram drafts it then emits the same text: rejection.py)
+        return [
+            SamplingParams(
+                max_tokens=cap,
+                temperature=args.temperature,
+                seed=(args.rollout_seed * 1_000_003 + rnd) * 100_003 + i,
+                ignore_eos=args.lengths == "longtail",
+            )
+            for i, cap in enumerate(caps)
+        ]
+
     for engine in engines.values():  # first-call overheads off the clock
         rollout(engine, prompts[:2], [SamplingParams(max_tokens=4, temperature=0.0)] * 2)
 
@@ -237,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
             if factory is not None:
                 engine.set_k_policy(_Traced(factory()))
                 engine.proposer.window = w  # no request is running: each catches up afresh
-            results[name].append(rollout(engine, prompts, params))
+            results[name].append(rollout(engine, prompts, params(rnd)))
             done = results[name][-1]
             print(f"round {rnd + 1} {name}: makespan {done['finish'][-1]:.1f} s", flush=True)
 
@@ -249,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
         tokens = sum(r["tokens"] for r in runs)
         speed = tokens / sum(r["finish"][-1] for r in runs)
         stall = max(longest_step(r["series"]) for r in runs)
-        rows.append([name, makespan, t50, t90, speed, stall])
+        same = sum(r["text"] == base["text"] for r, base in zip(runs, results["none"]))
+        rows.append([name, makespan, t50, t90, speed, stall, f"{same}/{len(runs)}"])
         records.append(
             {
                 "config": name,
@@ -259,13 +276,15 @@ def run(args: argparse.Namespace) -> int:
                 "tokens_per_s": round(speed, 3),
                 "longest_step_s": round(stall, 3),
                 "output_tokens": tokens,
-                "rounds": [{"finish_s": r["finish"], "series": r["series"]} for r in runs],
+                "same_text_as_none": same,
+                "rounds": [{"finish_s": r["finish"], "series": r["series"], "text": r["text"]} for r in runs],
             }
         )
     best_fixed = min(r[1] for r in rows if r[0].split(" ")[0] not in ("table", *DYNAMIC_CONFIGS))
     for row in rows:
-        row.append(row[1] / best_fixed)
+        row.insert(6, row[1] / best_fixed)
     columns = ["config", "makespan s", "50% s", "90% s", "tok/s", "longest step s", "vs best fixed"]
+    columns.append("rounds with none's text")
     print(format_table(columns, rows))
     model = None
     deepest = f"K={max(fixed_ks)}" if fixed_ks else None

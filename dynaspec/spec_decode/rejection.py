@@ -1,10 +1,18 @@
 """Lossless verification of draft tokens against the target's distribution (a pure function).
 
-Greedy rows accept drafts while they equal the target's argmax. Sampled rows accept draft x with
-probability min(1, p(x) / q(x)); at the first rejection they sample from normalize(max(0, p - q));
-after all drafts are accepted they sample a bonus token from p. The emitted sequence is thus
-distributed exactly as the target's own samples. q is the draft's processed distribution, or a
-one-hot at the draft token for deterministic proposers (n-gram).
+Greedy rows accept drafts while they equal the target's argmax. Sampled rows with a drafter's
+distribution q accept draft x with probability min(1, p(x) / q(x)); at the first rejection they
+sample from normalize(max(0, p - q)); after all drafts are accepted they sample a bonus token from
+p. The emitted sequence is thus distributed exactly as the target's own samples.
+
+Deterministic drafts (n-gram: q is a one-hot) take the target's own sample at each position, with
+the draws plain decoding makes (one uniform from the request's generator per emitted token, in
+order), and keep going while it equals the draft. Draft x is accepted with probability p(x), as
+rejection sampling with a one-hot q accepts it, and at the first mismatch the token emitted is p's
+sample given that it is not x, which is rejection sampling's residual. Because the draws are
+plain decoding's, a request with a seed emits exactly the tokens it would without speculation,
+whatever K each step chose (as long as the target's probabilities do not depend on the batch):
+an RL rollout is reproducible across loads, and configurations compare on the same text.
 
 Penalties and logit bias are applied to the target's logits first, each window position with the
 draft tokens before it counted as context (the drafter applies them alike), so the distribution
@@ -135,23 +143,36 @@ def _verify_row(
     q: torch.Tensor | None,  # [k, vocab] draft probabilities, or None for one-hot drafts
     generator: torch.Generator,
 ) -> list[int]:
+    if q is None:
+        return _follow_samples(p, drafts, n, generator)
     out = []
     u = torch.rand(n, generator=generator, device=p.device).tolist() if n else []
     for i in range(n):
         x = drafts[i]
-        px = float(p[i, x])
-        qx = 1.0 if q is None else float(q[i, x])
-        if u[i] * qx < px:  # u < p/q without dividing
+        if u[i] * float(q[i, x]) < float(p[i, x]):  # u < p/q without dividing
             out.append(x)
             continue
-        if q is None:
-            residual = p[i].clone()
-            residual[x] = 0.0
-        else:
-            residual = (p[i] - q[i]).clamp_(min=0.0)
+        residual = (p[i] - q[i]).clamp_(min=0.0)
         if float(residual.sum()) <= 0.0:  # p == q up to rounding: any sample from p is exact
             residual = p[i]
         out.append(sample_from(residual, generator))
         return out
     out.append(sample_from(p[n], generator))
+    return out
+
+
+def _follow_samples(
+    p: torch.Tensor,  # [n + 1, vocab] target probabilities at the verified positions
+    drafts: list[int],  # [k] deterministic drafts
+    n: int,
+    generator: torch.Generator,
+) -> list[int]:
+    """The target's own samples, one per position with plain decoding's draws, up to and including
+    the first that differs from its draft (or the bonus after all n)."""
+    out = []
+    for i in range(n + 1):
+        token = sample_from(p[i], generator)
+        out.append(token)
+        if i == n or token != drafts[i]:
+            break
     return out
