@@ -94,6 +94,31 @@ def test_default_quantized_speculative_equals_plain(default_engine, concurrency)
     assert not mismatched, f"speculative output differs from plain for prompts {mismatched}"
 
 
+def test_seeded_sampled_ngram_speculation_emits_plain_decodings_text():
+    """n-gram drafts take plain decoding's draws (spec_decode/rejection.py): on the real weights a
+    seeded sampled request emits the same tokens at K=0 and K=5, four sharing each pass."""
+    engine = Engine(
+        EngineConfig(
+            model=TARGET,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 5},
+            kv_cache_memory_gb=0.5,
+            progress=False,
+        )
+    )
+    prompts = load_prompts("humaneval", chat=True)[:4]
+    outputs = []
+    for k in (0, 5):
+        engine.set_k_policy(FixedK(k))
+        with engine.recording() as rec:
+            params = [SamplingParams(max_tokens=48, temperature=1.0, seed=100 + i) for i in range(4)]
+            requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+            while engine.has_unfinished():
+                engine.step()
+        outputs.append([r.output_token_ids for r in requests])
+    assert rec.spec.num_accepted_tokens > 0
+    assert outputs[0] == outputs[1]
+
+
 def test_bfloat16_dense_divergences_only_at_near_ties():
     engine, plain, spec = _plain_and_speculative(
         PROMPTS, MAX_TOKENS, 4, dtype="bfloat16", quantization="none"

@@ -1,0 +1,95 @@
+"""How often the pair's drafts would be kept, position by position, on the target's own sampled
+text (results/RESULTS.md, "n-gram drafts take plain decoding's draws"):
+
+- by rejection sampling, sum min(p, q) (what dynaspec runs);
+- by a draft drawn at the very uniform plain decoding will use (q's CDF inverted there, kept iff
+  p's inverse gives the same token): the pair would then emit plain decoding's text exactly;
+- each with the drafter's whole head and with it cut to the first ``--draft-vocab-size`` ids (the
+  pair's config), and the share of sampled tokens that lie beyond the cut (never draftable).
+
+    .venv/bin/python benchmarks/draft_acceptance.py [--dataset humaneval] [--prompts 6] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from dynaspec import SamplingParams
+from dynaspec.datasets import load_prompts
+from dynaspec.engine.engine import Engine, EngineConfig
+from dynaspec.engine.runner import TokenRun
+
+
+def engine_for(model: str) -> Engine:
+    return Engine(EngineConfig(model=model, progress=False, kv_cache_memory_gb=0.5))
+
+
+def probabilities(engine: Engine, texts: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+    """Per text, the model's next-token distribution at each output position: [outputs, vocab]."""
+    out = []
+    for prompt, output in texts:
+        ids = prompt + output[:-1]
+        blocks: list[int] = []
+        assert engine.allocator.grow(blocks, len(ids))
+        rows = list(range(len(prompt) - 1, len(ids)))
+        out.append(torch.softmax(engine.runner.run([TokenRun(ids, 0, blocks, rows)]), -1))
+        engine.allocator.free(blocks)
+    return out
+
+
+def kept(p: torch.Tensor, q: torch.Tensor) -> tuple[float, float]:
+    """(sum over positions of min(p, q), of the overlap of p's and q's CDF intervals per token)."""
+    fp, fq = p.double().cumsum(-1), q.double().cumsum(-1)
+    start = torch.maximum(F.pad(fp, (1, 0))[:, :-1], F.pad(fq, (1, 0))[:, :-1])
+    overlap = (torch.minimum(fp, fq) - start).clamp(min=0).sum()
+    return float(torch.minimum(p, q).sum()), float(overlap)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--dataset", default="humaneval")
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--draft-vocab-size", type=int, default=32768)
+    args = p.parse_args()
+    target = engine_for(args.model)
+    prompts = load_prompts(args.dataset)[: args.prompts]
+    params = [
+        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    requests = [target.add_request(prompt, sp) for prompt, sp in zip(prompts, params)]
+    while target.has_unfinished():
+        target.step()
+    texts = [(list(r.prompt_token_ids), list(r.output_token_ids)) for r in requests]
+    sampled = [t for _, output in texts for t in output]
+    beyond = sum(t >= args.draft_vocab_size for t in sampled) / len(sampled)
+    cut = args.draft_vocab_size
+    print(f"{args.dataset}: {len(sampled)} sampled tokens, {beyond:.3f} of them at ids >= {cut}")
+    ps = probabilities(target, texts)
+    del target
+    qs = probabilities(engine_for(args.draft), texts)
+    for name, head in (("whole draft head", None), (f"draft head cut to {cut}", cut)):
+        rejection = shared = 0.0
+        for pt, q in zip(ps, qs):
+            if head is not None:
+                q = q.clone()
+                q[:, head:] = 0.0
+                q /= q.sum(-1, keepdim=True)
+            a, b = kept(pt, q)
+            rejection, shared = rejection + a, shared + b
+        n = len(sampled)
+        print(
+            f"{name}: kept by rejection sampling {rejection / n:.3f}, by the shared uniform "
+            f"{shared / n:.3f} ({shared / rejection:.3f}x)"
+        )
+
+
+if __name__ == "__main__":
+    main()
