@@ -20,14 +20,19 @@ def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
-def _run(target_logits, draft_probs, draft_tokens, temperature=1.0, top_k=0, top_p=1.0):
-    sampling = SamplingTensors(
-        temperature=torch.full((N,), temperature),
-        top_k=torch.full((N,), top_k, dtype=torch.long),
-        top_p=torch.full((N,), top_p),
-        generators=[torch.Generator().manual_seed(i) for i in range(N)],
+def _sampling(n: int, temperature=1.0, top_k=0, top_p=1.0) -> SamplingTensors:
+    """n sampled rows alike, row i seeded with i."""
+    return SamplingTensors(
+        temperature=torch.full((n,), temperature),
+        top_k=torch.full((n,), top_k, dtype=torch.long),
+        top_p=torch.full((n,), top_p),
+        generators=[torch.Generator().manual_seed(i) for i in range(n)],
         all_greedy=False,
     )
+
+
+def _run(target_logits, draft_probs, draft_tokens, temperature=1.0, top_k=0, top_p=1.0):
+    sampling = _sampling(N, temperature, top_k, top_p)
     logits = target_logits.expand(N, K + 1, V)
     out = rejection_sample(logits, draft_tokens, [K] * N, draft_probs, sampling)
     p = processed_probs(target_logits, sampling.temperature[:1], sampling.top_k[:1], sampling.top_p[:1])[0]
@@ -75,13 +80,7 @@ def test_deterministic_drafts_take_plain_decodings_draws():
     gen = torch.Generator().manual_seed(2)
     target_logits = torch.randn(1, K + 1, V, generator=gen) * 1.5
     n = 400
-    sampling = SamplingTensors(
-        temperature=torch.ones(n),
-        top_k=torch.zeros(n, dtype=torch.long),
-        top_p=torch.ones(n),
-        generators=[torch.Generator().manual_seed(i) for i in range(n)],
-        all_greedy=False,
-    )
+    sampling = _sampling(n)
     drafts = torch.randint(0, V, (n, K), generator=gen)
     out = rejection_sample(target_logits.expand(n, K + 1, V), drafts, [K] * n, None, sampling)
     p = processed_probs(target_logits, sampling.temperature[:1], sampling.top_k[:1], sampling.top_p[:1])[0]
@@ -174,13 +173,7 @@ def test_mixed_k_and_confidence_stops_keep_the_target_distribution(stop_on_token
     caps = [min(2, r % 6) for r in range(N)]  # a sixth draft nothing, a sixth 1, the rest 2
     drafts, probs, lens = _ragged_draws(q0, q1_of, caps, 0.5, stop_on_token, gen)
     assert {0, 1, 2} <= set(lens)
-    sampling = SamplingTensors(
-        temperature=torch.ones(N),
-        top_k=torch.zeros(N, dtype=torch.long),
-        top_p=torch.ones(N),
-        generators=[torch.Generator().manual_seed(i) for i in range(N)],
-        all_greedy=False,
-    )
+    sampling = _sampling(N)
     out = rejection_sample(target_logits.expand(N, K + 1, V), drafts, lens, probs, sampling)
     p = p_target.numpy()
     first = np.bincount([o[0] for o in out], minlength=V)
