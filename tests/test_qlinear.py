@@ -152,6 +152,18 @@ def test_default_path_is_the_kernel() -> None:
 
 
 @needs_kernel
+def test_the_hot_path_follows_the_buffers_when_they_move() -> None:
+    """The kernel's arguments are cached as plain attributes (fast calls); moving the buffers
+    (`_apply`: .to(), .cpu(), ...) rebuilds them, so a call never reads a stale tensor."""
+    layer = QuantLinear(_weight("gguf_q4_k"), bias=torch.randn(_weight("gguf_q4_k").shape[0]), path="vnni")
+    x = torch.randn(3, layer.in_features)
+    expected = layer(x)
+    layer._apply(lambda t: t.clone())  # every buffer replaced by a copy
+    assert layer._vnni[0] is layer.impl.packed and layer._bias is layer.bias
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+
+
+@needs_kernel
 def test_kernel_streams_the_smallest_exact_scales() -> None:
     modes = {
         kind: QuantLinear(_weight(kind), path="vnni").impl.mode
