@@ -214,8 +214,17 @@ class QuantLinear(nn.Module):
         v = self.impl
         self._vnni = None
         if self.path == "vnni":
-            scales = (v.scales_f32, v.scales_sub)
-            self._vnni = (v.packed, *scales, v.n_out, v.group, v.bits, v.mode, v.super_groups, v.amx_min_rows)
+            self._vnni = (
+                v.packed,
+                v.scales_f32,
+                v.scales_sub,
+                v.n_out,
+                v.group,
+                v.bits,
+                v.mode,
+                v.super_groups,
+                v.amx_min_rows,
+            )
         self._bias = self.bias
 
     def _apply(self, fn, recurse=True):
