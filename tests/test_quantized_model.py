@@ -115,6 +115,41 @@ def test_forward_is_batch_invariant(ggufs):
     assert torch.equal(mixed[:20], whole[10:])
 
 
+@pytest.mark.skipif(kernel_error() is not None, reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norms
+def test_decoder_stack_matches_the_modules(ggufs, arch):
+    """The stack as one C++ call (csrc/layer.cpp) gives bitwise the module path's logits and K/V
+    cache, for a prefill and a ragged pass (a verify window beside a decode row), with a q/k/v
+    projection split in two parts (ConcatLinear) and a bfloat16 cache."""
+    engine = Engine(EngineConfig(model=ggufs[arch], progress=False, kv_cache_memory_gb=0.01))
+    model, runner = engine.runner.model, engine.runner
+    assert runner.rowwise and runner.kv_caches[0][0].dtype == torch.bfloat16
+    alloc = engine.allocator
+    outputs, caches = {}, {}
+    for use in (False, True):
+        model.use_stack = use
+        a, b = [], []
+        assert alloc.grow(a, 40) and alloc.grow(b, 40)
+        first = runner.run(
+            [TokenRun(list(range(5, 30)), 0, a, [24]), TokenRun(list(range(40, 52)), 0, b, [11])]
+        )
+        ragged = runner.run([TokenRun([7, 8, 9, 10], 25, a, [0, 1, 2, 3]), TokenRun([60], 12, b, [0])])
+        outputs[use] = torch.cat([first, ragged])
+        size = alloc.block_size
+        slots = torch.tensor(
+            [a[p // size] * size + p % size for p in range(29)]
+            + [b[p // size] * size + p % size for p in range(13)]
+        )
+        caches[use] = [torch.cat([k[slots], v[slots]]) for k, v in runner.kv_caches]
+        alloc.free(a)
+        alloc.free(b)
+    assert isinstance(model._stack, torch.ScriptObject)  # the stack did run
+    assert torch.equal(outputs[True], outputs[False])
+    assert all(torch.equal(x, y) for x, y in zip(caches[True], caches[False]))
+    model.float()  # moving the weights drops the stack; it is rebuilt on the next pass
+    assert model._stack is None
+
+
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_quantized_greedy_speculation_is_lossless(ggufs, method):
     spec = {"method": method, "num_speculative_tokens": 3}

@@ -9,7 +9,8 @@ import platform
 from pathlib import Path
 
 KERNEL_SOURCES = [
-    Path(__file__).parent / "csrc" / f for f in ("qmatmul.cpp", "attention.cpp", "fused.cpp", "unpack.cpp")
+    Path(__file__).parent / "csrc" / f
+    for f in ("qmatmul.cpp", "attention.cpp", "fused.cpp", "unpack.cpp", "layer.cpp")
 ]
 
 

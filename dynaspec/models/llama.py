@@ -15,7 +15,7 @@ from torch import nn
 
 from dynaspec.models.attention import AttentionMetadata, paged_attention
 from dynaspec.models.config import ModelConfig
-from dynaspec.models.qlinear import kernel_error
+from dynaspec.models.qlinear import QuantLinear, kernel_error
 
 
 class Linear(nn.Linear):
@@ -207,6 +207,25 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._stack = None  # DecoderStack, False (not possible) or None (not built yet)
+
+    # run the decoder stack as one C++ call where it can (`_decoder_stack`); False: always the modules
+    use_stack = True
+
+    def _decoder_stack(self):
+        """The layers as one `torch.classes.dynaspec.DecoderStack` (csrc/layer.cpp: the same operators
+        in the same order, bitwise the same hidden states, without ~11 Python calls and dispatches a
+        layer), or None where the model is not all float32 norms and VNNI projections. Built on first
+        use, rebuilt after the weights move (`_apply`)."""
+        if self._stack is None:
+            stack = _build_stack(self)
+            self._stack = False if stack is None else stack
+        return None if self._stack is False else self._stack
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._stack = None
+        return out
 
     @torch.inference_mode()
     def forward(
@@ -218,6 +237,21 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
+        plan = meta.rowwise
+        stack = self._decoder_stack() if self.use_stack and plan is not None and _fused(x) else None
+        if stack is not None:
+            k_caches, v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
+            return stack.forward(
+                x,
+                cos,
+                sin,
+                k_caches,
+                v_caches,
+                meta.slot_mapping,
+                plan.slot_table,
+                plan.row_seq,
+                plan.row_len,
+            )
         residual = None
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta)
@@ -226,3 +260,51 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         return self.lm_head(hidden).float()
+
+
+def _build_stack(model: LlamaModel):
+    """A DecoderStack holding the model's weights (references, no copies), or None when a layer has a
+    projection off the VNNI path or a norm weight that is not float32."""
+    config, layers = model.config, model.model.layers
+    norms = [model.model.norm] + [n for layer in layers for n in _layer_norms(layer) if n is not None]
+    projections = [p for layer in layers for p in _layer_projections(layer)]
+    if any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
+        return None
+    if any(not isinstance(q, QuantLinear) or q._vnni is None for p in projections for q in _parts(p)):
+        return None
+    stack = torch.classes.dynaspec.DecoderStack(
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.rms_norm_eps,
+        model.model.norm.weight.detach(),
+    )
+    empty = torch.empty(0)
+    for layer in layers:
+        tensors = [empty if n is None else n.weight.detach() for n in _layer_norms(layer)]
+        ints = []
+        for p in _layer_projections(layer):
+            parts = _parts(p)
+            ints.append(len(parts))
+            for q in parts:
+                packed, f32, sub, *args = q._vnni
+                tensors += [packed, f32, sub, empty if q._bias is None else q._bias]
+                ints += args
+        stack.add_layer(tensors, ints)
+    return stack
+
+
+def _parts(projection: nn.Module) -> list[nn.Module]:
+    """A projection's linear layers: build.py's ConcatLinear concatenates the outputs of its parts."""
+    parts = getattr(projection, "parts", None)
+    return list(parts) if isinstance(parts, nn.ModuleList) else [projection]
+
+
+def _layer_norms(layer: DecoderLayer) -> list[RMSNorm | None]:
+    attn = layer.self_attn
+    return [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+
+
+def _layer_projections(layer: DecoderLayer) -> list[nn.Module]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]

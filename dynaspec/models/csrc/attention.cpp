@@ -29,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "vec_math.h"
 
 namespace {
@@ -248,6 +249,10 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
   });
 }
 
+}  // namespace
+
+namespace dynaspec_ops {
+
 // q [rows, heads, d] float32; k_cache, v_cache [slots, kv_heads, d] float32 or bfloat16;
 // slot_table [sequences, width] int64 (the cache slot of each position of each sequence);
 // row_seq [rows] int64 (the sequence of each row); row_len [rows] int64 (keys the row sees:
@@ -282,11 +287,11 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, 
   return out;
 }
 
-}  // namespace
+}  // namespace dynaspec_ops
 
 TORCH_LIBRARY_FRAGMENT(dynaspec, m) {
   m.def("paged_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot_table, Tensor row_seq, "
         "Tensor row_len, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dynaspec, CPU, m) { m.impl("paged_attention_rows", &paged_attention_rows); }
+TORCH_LIBRARY_IMPL(dynaspec, CPU, m) { m.impl("paged_attention_rows", &dynaspec_ops::paged_attention_rows); }

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "ops.h"
 #include "vec_math.h"
 
 namespace {
@@ -47,6 +48,32 @@ void norm_rows(const float* x, const float* w, float* y, int64_t rows, int64_t d
   });
 }
 
+// Rotate-half RoPE in place on x [rows, heads, d] with cos, sin [rows, d] (or [rows, 1, d]):
+// x[i] = x[i] * cos[i] + (i < d/2 ? -x[i + d/2] : x[i - d/2]) * sin[i].
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3, "rope_: x must be contiguous float32 [rows, heads, d]");
+  const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * d && sin.numel() == rows * d,
+              "rope_: cos/sin must be [rows, d]");
+  float* p = x.data_ptr<float>();
+  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
+    float tmp[1024];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / heads;
+      float* v = p + item * d;
+      const float *cr = c + r * d, *sr = s + r * d;
+      for (int64_t i = 0; i < half; ++i) tmp[i] = v[i] * cr[i] - v[i + half] * sr[i];
+      for (int64_t i = half; i < d; ++i) tmp[i] = v[i] * cr[i] + v[i - half] * sr[i];
+      for (int64_t i = 0; i < d; ++i) v[i] = tmp[i];
+    }
+  });
+}
+
+}  // namespace
+
+namespace dynaspec_ops {
+
 // RMSNorm over the last dimension: y = w * x / sqrt(mean(x^2) + eps).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, w, "rms_norm");
@@ -73,28 +100,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, y};
 }
 
-// Rotate-half RoPE in place on x [rows, heads, d] with cos, sin [rows, d] (or [rows, 1, d]):
-// x[i] = x[i] * cos[i] + (i < d/2 ? -x[i + d/2] : x[i - d/2]) * sin[i].
-void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3, "rope_: x must be contiguous float32 [rows, heads, d]");
-  const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * d && sin.numel() == rows * d,
-              "rope_: cos/sin must be [rows, d]");
-  float* p = x.data_ptr<float>();
-  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
-  at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
-    float tmp[1024];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / heads;
-      float* v = p + item * d;
-      const float *cr = c + r * d, *sr = s + r * d;
-      for (int64_t i = 0; i < half; ++i) tmp[i] = v[i] * cr[i] - v[i + half] * sr[i];
-      for (int64_t i = half; i < d; ++i) tmp[i] = v[i] * cr[i] + v[i - half] * sr[i];
-      for (int64_t i = 0; i < d; ++i) v[i] = tmp[i];
-    }
-  });
-}
-
 void rope_qk_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(q.size(2) <= 1024, "rope: head_dim above 1024");
   rope_(q, cos, sin);
@@ -118,7 +123,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace dynaspec_ops
 
 TORCH_LIBRARY_FRAGMENT(dynaspec, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -128,8 +133,8 @@ TORCH_LIBRARY_FRAGMENT(dynaspec, m) {
 }
 
 TORCH_LIBRARY_IMPL(dynaspec, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rope_qk_", &rope_qk_);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &dynaspec_ops::rms_norm);
+  m.impl("add_rms_norm", &dynaspec_ops::add_rms_norm);
+  m.impl("rope_qk_", &dynaspec_ops::rope_qk_);
+  m.impl("silu_mul", &dynaspec_ops::silu_mul);
 }

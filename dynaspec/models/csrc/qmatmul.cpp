@@ -28,6 +28,8 @@
 #include <mutex>
 #include <vector>
 
+#include "ops.h"
+
 namespace {
 
 constexpr int kLanes = 16;      // output columns per tile: one register of int32 or float
@@ -398,6 +400,10 @@ void dispatch_mode(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& 
   else run<BITS, G, kScaleSuper>(xf, w, st, tiles, out, amx_min_rows);
 }
 
+}  // namespace
+
+namespace dynaspec_ops {
+
 // x [rows, in] (float32/bfloat16/float16); w [tiles, groups, tile bytes] uint8 -> [rows, n_out] float32.
 // scales by mode: kScaleF32: f32 [tiles, groups, 2, 16] (scale, offset), sub empty; kScaleF16: f32
 // empty, sub int16 [tiles, groups, 2, 16] (f16 bits); kScaleSuper: f32 [tiles, supers, 2, 16] (d,
@@ -492,7 +498,7 @@ at::Tensor pack_tiles(const at::Tensor& codes, int64_t shift, int64_t bits, int6
   return packed;
 }
 
-}  // namespace
+}  // namespace dynaspec_ops
 
 TORCH_LIBRARY(dynaspec, m) {
   m.def("pack_tiles(Tensor codes, int shift, int bits, int group, int pad) -> Tensor");
@@ -501,6 +507,6 @@ TORCH_LIBRARY(dynaspec, m) {
 }
 
 TORCH_LIBRARY_IMPL(dynaspec, CPU, m) {
-  m.impl("qmm_vnni", &qmm_vnni);
-  m.impl("pack_tiles", &pack_tiles);
+  m.impl("qmm_vnni", &dynaspec_ops::qmm_vnni);
+  m.impl("pack_tiles", &dynaspec_ops::pack_tiles);
 }
