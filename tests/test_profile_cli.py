@@ -149,6 +149,7 @@ def test_auto_profiles_once_reuses_the_cache_and_replaces_a_corrupt_one(
 
     from dynaspec.engine import profiler
     from dynaspec.kpolicy.policy import GoodputK
+    from dynaspec.models.kernels import kernel_digest, kernel_error
 
     monkeypatch.setenv("DYNASPEC_CACHE", str(tmp_path))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "dynamic_config_path": "auto"}
@@ -178,6 +179,13 @@ def test_auto_profiles_once_reuses_the_cache_and_replaces_a_corrupt_one(
     # another drafter configuration is another machine profile: its own file
     make_engine(target_dir, speculative_config={**spec, "num_speculative_tokens": 2})
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
+    # so are other C++ kernels (a new version prices every step anew)
+    key = profiler.auto_profile_key(second, second.config.speculative_config)
+    assert key["kernels"] == (kernel_digest() if kernel_error() is None else None)
+    monkeypatch.setattr(profiler, "kernel_digest", lambda: "another build")
+    monkeypatch.setattr(profiler, "kernel_error", lambda: None)
+    other = profiler.auto_profile_key(second, second.config.speculative_config)
+    assert profiler.auto_profile_path(other) != profiler.auto_profile_path(key)
 
 
 def test_visit_order_never_visits_a_cell_twice_in_a_row_and_every_cell_once_a_round():

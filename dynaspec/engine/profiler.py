@@ -41,6 +41,7 @@ from dynaspec.kpolicy.config import SpeculativeConfig
 from dynaspec.kpolicy.cost import fit_timings
 from dynaspec.kpolicy.policy import FixedK
 from dynaspec.kpolicy.profile import Profile, derive_table, load_profile, save_profile
+from dynaspec.models.kernels import kernel_digest, kernel_error
 from dynaspec.models.packs import cache_root
 from dynaspec.sampling_params import SamplingParams
 
@@ -349,6 +350,8 @@ def auto_profile_key(engine: Engine, spec: SpeculativeConfig) -> dict:
         "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        # the C++ operators' sources (their speed is the profile's prices), None where they do not build
+        "kernels": kernel_digest() if kernel_error() is None else None,
         "max_k": spec.num_speculative_tokens or AUTO_MAX_K,
         "ngram": [spec.prompt_lookup_min, spec.prompt_lookup_max] if spec.method == "ngram" else None,
         # only when set, so that the profiles cached before the window existed keep their keys

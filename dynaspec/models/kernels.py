@@ -15,6 +15,14 @@ KERNEL_SOURCES = [
 
 
 @functools.cache
+def kernel_digest() -> str:
+    """A hash of the C++ operators' sources: names their build, and keys the cached auto profile
+    (a kernel change changes what each step costs)."""
+    hashed = sorted([*KERNEL_SOURCES, *KERNEL_SOURCES[0].parent.glob("*.h")])
+    return hashlib.sha256(b"".join(p.read_bytes() for p in hashed)).hexdigest()[:12]
+
+
+@functools.cache
 def kernel_error() -> str | None:
     """None when the C++ operators (quantized matmul, row-wise paged attention, fused norm/RoPE/SiLU)
     are loaded (built on first use, cached in torch's extension directory), else why they are not."""
@@ -33,10 +41,8 @@ def kernel_error() -> str | None:
 
         # named by the sources' hash: two versions of dynaspec (or two checkouts) never rebuild
         # each other's copy in torch's shared extension directory
-        hashed = [*KERNEL_SOURCES, *KERNEL_SOURCES[0].parent.glob("*.h")]
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in hashed)).hexdigest()[:12]
         cpp_extension.load(
-            name=f"dynaspec_kernels_{digest}",
+            name=f"dynaspec_kernels_{kernel_digest()}",
             sources=[str(p) for p in KERNEL_SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP in the headers
             extra_ldflags=["-fopenmp"],
