@@ -54,6 +54,9 @@ def main() -> None:
         engine.step()
     for bs in sorted(counts):
         steps, asked, proposed, accepted = counts[bs]
+        if not asked:
+            print(f"bs {bs}: steps {steps}, no drafts asked")
+            continue
         print(
             f"bs {bs}: steps {steps}, asked {asked}, proposed {proposed} ({proposed / asked:.2f}), accepted "
             f"{accepted} (per proposed {accepted / max(proposed, 1):.2f}, per asked {accepted / asked:.2f})"

@@ -27,13 +27,19 @@ def main() -> None:
     )
     p.add_argument("--prefill-s", type=float, default=0.81, help="seconds of prefill per prompt")
     p.add_argument("--top", type=int, default=8)
+    p.add_argument(
+        "--wide", action="store_true", help="N up to 128, medians up to 256, sigma from 0.3 (96 shapes)"
+    )
     args = p.parse_args()
     profile = load_profile(args.profile)
     alpha = [float(a) for a in args.acceptance.split(",")]
     rows = []
-    for n, median, sigma, cap in itertools.product(
-        (8, 16, 32, 64), (32, 64, 128), (0.8, 1.2, 1.5, 2.0), (1024, 2048)
-    ):
+    grid = (
+        ((32, 64, 96, 128), (64, 128, 256), (0.3, 0.5, 0.8, 1.2), (1024, 2048))
+        if args.wide
+        else ((8, 16, 32, 64), (32, 64, 128), (0.8, 1.2, 1.5, 2.0), (1024, 2048))
+    )
+    for n, median, sigma, cap in itertools.product(*grid):
         shape = argparse.Namespace(
             lengths="longtail", median_tokens=median, length_sigma=sigma, max_tokens=cap, rollout_seed=0
         )
