@@ -284,6 +284,19 @@ def test_exploration_probes_one_request_while_the_estimate_has_no_live_evidence(
     assert fresh.choose([DraftCandidate(1, 1000)] * 64) == (0, [0] * 64)
 
 
+def test_no_probe_when_the_drafter_would_first_catch_up_on_more_than_a_plain_step():
+    """After a long stretch of K=0 a draft model owes every token since; a probe would pay that
+    catch-up (here 299 ms at 1 ms a token, a plain step being ITL(16, 0) = 180 ms) to measure one
+    draft, so it is not made, and the skip is counted."""
+    policy = goodput(catchup_ms_per_token=1.0, explore_below=4.0, alpha=CHAT4)
+    behind = [DraftCandidate(300, 500)] * 16
+    assert policy.choose(behind) == (0, [0] * 16)
+    assert policy.snapshot()["probes"] == 0 and policy.snapshot()["probes_skipped"] == 1
+    # one request the drafter has nearly caught up on is probed, whatever the others owe
+    assert policy.choose(behind[:15] + [DraftCandidate(100, 500)]) == (1, [0] * 15 + [1])
+    assert policy.snapshot()["probes"] == 1 and policy.snapshot()["probes_skipped"] == 1
+
+
 def test_exploration_corrects_a_profile_that_underrates_the_traffic():
     """A chat profile on traffic accepting every draft, at a load where the profile says plain
     decoding wins: without probes the policy never drafts and never learns; with them it measures
