@@ -284,17 +284,19 @@ def test_exploration_probes_one_request_while_the_estimate_has_no_live_evidence(
     assert fresh.choose([DraftCandidate(1, 1000)] * 64) == (0, [0] * 64)
 
 
-def test_no_probe_when_the_drafter_would_first_catch_up_on_more_than_a_plain_step():
-    """After a long stretch of K=0 a draft model owes every token since; a probe would pay that
-    catch-up (here 299 ms at 1 ms a token, a plain step being ITL(16, 0) = 180 ms) to measure one
-    draft, so it is not made, and the skip is counted."""
+def test_exploration_with_a_draft_model_pays_for_a_requests_catch_up():
+    """A probe of a request the drafter has not read pays that catch-up first (here 199 ms, more
+    than the 180 ms plain step of ITL(16, 0)). It is the price of learning that traffic accepts
+    more than the profile says: with the MT-Bench profile on HumanEval at C=2, the pair never
+    drafted when probes skipped such requests (53 against 68 tok/s, `benchmarks/trace_k.py`)."""
     policy = goodput(catchup_ms_per_token=1.0, explore_below=4.0, alpha=CHAT4)
-    behind = [DraftCandidate(300, 500)] * 16
-    assert policy.choose(behind) == (0, [0] * 16)
-    assert policy.snapshot()["probes"] == 0 and policy.snapshot()["probes_skipped"] == 1
-    # one request the drafter has nearly caught up on is probed, whatever the others owe
-    assert policy.choose(behind[:15] + [DraftCandidate(100, 500)]) == (1, [0] * 15 + [1])
-    assert policy.snapshot()["probes"] == 1 and policy.snapshot()["probes_skipped"] == 1
+    unseen = [200] * 16
+    for _ in range(60):
+        k, drafts = policy.choose([DraftCandidate(u, 1000) for u in unseen])
+        unseen = [1 if d else u + 1 for u, d in zip(unseen, drafts)]  # a request that drafted is read
+        policy.observe(step_record(drafts, drafts))  # every draft accepted
+    assert policy.snapshot()["probes"] >= 1
+    assert k > 0 and all(d > 0 for d in drafts) and policy.acceptance.rates()[0] > 0.8
 
 
 def test_exploration_corrects_a_profile_that_underrates_the_traffic():

@@ -382,9 +382,10 @@ class GoodputK:
     probed; where it would, the estimate keeps about ``explore_below`` drafts of evidence: a probe
     each time it fades from explore_below + 1 back under it, every ln(1 + 1/explore_below)/(1-decay)
     steps (11 by default) while K=0 stays right, one row of one draft token, a few percent of such
-    a step. A draft model must first catch up on what it skipped, so a probe whose catch-up would
-    cost more than a plain step is not made (after a long stretch of K=0 the drafter owes every
-    token since: hundreds of tokens, half a second, to measure one draft).
+    a step, plus, with a draft model, the catch-up on what that request has not read. That can be
+    its whole context (0.53 s after 170 steps of K=0 at 5 requests in the pair's rollout), and it
+    is still paid: skipping such probes stopped a profile that underrates the traffic from being
+    corrected at all (results/RESULTS.md, "A probe's price").
 
     Confidence stops: a decode stops drafting at a position whose drafter top probability is below
     ``min_draft_confidence()``, fixed by ``min_confidence`` or, when that is None, the top of the
@@ -426,7 +427,6 @@ class GoodputK:
         self.load = 0  # the load of the last choice (for the confidence stop's break-even)
         self.explore_below = explore_below
         self.num_probes = 0  # steps where one request drafted only to measure acceptance
-        self.num_probes_skipped = 0  # probes not made: the drafter's catch-up would cost more than a step
         self.num_withheld = 0  # request-steps kept from drafting because their catch-up would not pay
 
     def itl(self, batch_size: int, k: int) -> float | None:
@@ -490,15 +490,9 @@ class GoodputK:
             log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in alpha))
         if explore and not k and plain and any(caps) and self.acceptance.evidence() < self.explore_below:
             hopeful = self._scores(bs, plain, [a + (1.0 - a) / 2 for a in alpha], prefix, drafted_cost)
-            # the probe: the request owing the drafter least, unless even its catch-up would cost
-            # more than a plain step (a draft model far behind after a stretch of K=0)
-            probe = min((i for i in range(bs) if caps[i]), key=lambda i: candidates[i].unseen_tokens)
-            hopes = max(hopeful, key=hopeful.get)[0] > 0
-            affordable = per_token * (candidates[probe].unseen_tokens - 1) <= plain
-            if hopes and affordable:
-                drafts[probe], k = 1, 1
+            if max(hopeful, key=hopeful.get)[0]:  # the probe: the request owing the drafter least
+                drafts[min((i for i in range(bs) if caps[i]), key=cost.__getitem__)], k = 1, 1
                 self.num_probes += 1
-            self.num_probes_skipped += hopes and not affordable
         return k, drafts
 
     def drafted_cost(self, bs: int, layers: tuple[int, ...]) -> float:
@@ -584,7 +578,6 @@ class GoodputK:
             "acceptance_rate_per_pos": [round(a, 4) for a in self.acceptance.rates()],
             "requests_withheld": self.num_withheld,
             "probes": self.num_probes,
-            "probes_skipped": self.num_probes_skipped,
             "min_draft_confidence": round(self.min_draft_confidence(), 3),
             "acceptance_by_confidence": self.calibration.snapshot(),
             "cost_model": self.costs.snapshot(),
