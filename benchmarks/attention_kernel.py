@@ -4,10 +4,12 @@ on the 1.5B target's heads (12 query heads, 2 KV heads of 128; float32 cache): a
 sequences of 6 rows), a plain decode step (24 of 1) at 800 tokens of context and at 40, and a
 200-token prefill chunk. With --tail N, a rollout's tail at N tokens of context: one sequence's
 row and its K=3 window (4 rows) on the target, and one row on the 0.5B drafter's heads (14 over 2
-KV heads of 64, 24 layers).
+KV heads of 64, 24 layers). With --cold, every layer has a cache of its own and a call goes
+through them all, as a step does, so the cache comes from memory rather than from L2/L3.
 
     .venv/bin/python benchmarks/attention_kernel.py          # seconds
     .venv/bin/python benchmarks/attention_kernel.py --tail 2000 --cache bfloat16 --calls 500
+    .venv/bin/python benchmarks/attention_kernel.py --tail 8000 --cache bfloat16 --cold --calls 20
 """
 
 import argparse
@@ -32,6 +34,7 @@ def main() -> None:
     p.add_argument("--tail", type=int, default=0, help="time a rollout's tail at this context instead")
     p.add_argument("--cache", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--cold", action="store_true", help="a cache per layer, read in turn (from memory)")
     args = p.parse_args()
     if kernel_error() is not None:
         raise SystemExit(kernel_error())
@@ -40,15 +43,20 @@ def main() -> None:
     print(" ".join(f"{h:>{w}}" for h, w in zip(header, (5, 8, 5, 5, 9, 8, 8))))
     for (model, heads, kv_heads, d, layers), ctx, new, seqs in tail_cases(args.tail) if args.tail else CASES:
         total = seqs * (ctx + new)
-        k_cache = torch.randn(total, kv_heads, d).to(dtype)
-        v_cache = torch.randn(total, kv_heads, d).to(dtype)
+        caches = [
+            (torch.randn(total, kv_heads, d).to(dtype), torch.randn(total, kv_heads, d).to(dtype))
+            for _ in range(layers if args.cold else 1)
+        ]
         table = torch.arange(total).view(seqs, ctx + new)
         row_seq = torch.arange(seqs).repeat_interleave(new)
         row_len = torch.arange(ctx + 1, ctx + new + 1).repeat(seqs)
         q = torch.randn(seqs * new, heads, d)
 
-        call_args = (q, k_cache, v_cache, table, row_seq, row_len, d**-0.5)
-        ms = ms_per_call(lambda a=call_args: torch.ops.dynaspec.paged_attention_rows(*a), args.calls)
+        def call(q=q, caches=caches, table=table, row_seq=row_seq, row_len=row_len, d=d) -> None:
+            for k_cache, v_cache in caches:
+                torch.ops.dynaspec.paged_attention_rows(q, k_cache, v_cache, table, row_seq, row_len, d**-0.5)
+
+        ms = ms_per_call(call, args.calls) / len(caches)
         gflops = int(row_len.sum()) * heads * d * 4 / ms / 1e6
         print(f"{model:>5} {ctx:>8} {new:>5} {seqs:>5} {ms:>9.3f} {ms * layers:>8.1f} {gflops:>8.1f}")
 

@@ -49,8 +49,9 @@ def _reference(q, k_cache, v_cache, table, row_seq, row_len):
 
 
 # head sizes: 128 and 64 (the AVX-512 path, 8 and 4 chunks of 16), 24 (the scalar path); groups of
-# 6 and 7 query heads per KV head (the 1.5B and 0.5B Qwen models: tiles of 3, 3 and 3, 3, 1)
-SHAPES = [(12, 2, 128), (14, 2, 64), (4, 2, 24)]
+# 6 and 7 query heads per KV head (the 1.5B and 0.5B Qwen models: values in tiles of 6 heads by
+# 4 chunks, and 7 by 4), 8 (tiles of 8 by 2) and 10 (8 and 2, by 2)
+SHAPES = [(12, 2, 128), (14, 2, 64), (16, 2, 128), (20, 2, 64), (4, 2, 24)]
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)

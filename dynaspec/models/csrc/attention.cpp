@@ -13,8 +13,9 @@
 // verified window, or a slice of its prefill chunk), whose queries are its rows times the heads of
 // one KV group. With head sizes a multiple of 16 (AVX-512): scores go 16 keys at a time, every
 // query of the block against a tile of keys while it is in L1, each query's 16 dot products added
-// up by one fixed tree; values are accumulated in registers for up to 3 heads of a row at a time,
-// over the row's keys in order. Other head sizes take scalar loops in the same shape. Either way a
+// up by one fixed tree; values are accumulated in registers for as many heads of a row as fit (a
+// whole KV group's, up to 8), over the row's keys in order, so a row reads its values once. Other
+// head sizes take scalar loops in the same shape. Either way a
 // row's arithmetic is the same as it would be alone (its keys 0..p in order, its own partial sums),
 // so the blocking changes no result.
 
@@ -136,6 +137,16 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// Pulls ``bytes`` from ``p`` towards L1 ahead of use: the cache is read through the slot table, a
+// key at a time, which the hardware's prefetchers follow poorly.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
+constexpr int64_t kValuesAhead = 32;  // keys ahead at which the values loop prefetches
+constexpr int64_t kKeysAhead = 64;    // keys ahead at which the scores loop prefetches
+
 // The sums of 16 vectors, in order, in one vector: each is added up by the same fixed tree (lanes
 // 0+2 and 1+3 of each 128-bit quarter, those two, then the quarters pairwise) whatever its place.
 inline __m512 sum16(const __m512* a) {
@@ -151,6 +162,46 @@ inline __m512 sum16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(hh[0], hh[1], 0x88), _mm512_shuffle_f32x4(hh[0], hh[1], 0xDD));
 }
 
+// The 16 scores of NX queries against a tile of 16 keys, kKeyTile keys at a time: each key's chunk
+// is widened once for all NX queries. Each score is its query's and key's 16 lane sums over the
+// head in chunk order, added up by sum16 with the tile's other keys: as if the query were alone.
+constexpr int kQueryTile = 6;
+constexpr int kKeyTile = 4;  // kQueryTile x kKeyTile accumulators, kKeyTile keys and a query: 29 registers
+
+template <typename T, int NX>
+void tile_scores(const float* const* qx, const T* const* kp, int64_t d, __m512 vscale, float* const* dst) {
+  alignas(64) __m512 part[NX][16];
+  for (int k0 = 0; k0 < 16; k0 += kKeyTile) {
+    __m512 acc[NX][kKeyTile];
+    for (int t = 0; t < NX; ++t)
+      for (int k = 0; k < kKeyTile; ++k) acc[t][k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+      __m512 kv[kKeyTile];
+      for (int k = 0; k < kKeyTile; ++k) kv[k] = load16(kp[k0 + k] + i);
+      for (int t = 0; t < NX; ++t) {
+        const __m512 qv = _mm512_loadu_ps(qx[t] + i);
+        for (int k = 0; k < kKeyTile; ++k) acc[t][k] = _mm512_fmadd_ps(qv, kv[k], acc[t][k]);
+      }
+    }
+    for (int t = 0; t < NX; ++t)
+      for (int k = 0; k < kKeyTile; ++k) part[t][k0 + k] = acc[t][k];
+  }
+  for (int t = 0; t < NX; ++t) _mm512_storeu_ps(dst[t], _mm512_mul_ps(sum16(part[t]), vscale));
+}
+
+template <typename T>
+void tile_scores_nx(int nx, const float* const* qx, const T* const* kp, int64_t d, __m512 vscale,
+                    float* const* dst) {
+  switch (nx) {
+    case 6: tile_scores<T, 6>(qx, kp, d, vscale, dst); break;
+    case 5: tile_scores<T, 5>(qx, kp, d, vscale, dst); break;
+    case 4: tile_scores<T, 4>(qx, kp, d, vscale, dst); break;
+    case 3: tile_scores<T, 3>(qx, kp, d, vscale, dst); break;
+    case 2: tile_scores<T, 2>(qx, kp, d, vscale, dst); break;
+    default: tile_scores<T, 1>(qx, kp, d, vscale, dst);
+  }
+}
+
 // acc[t] += p[t][j] * v_j over keys j < len for NT queries, ND 16-float chunks of the head from chunk c0.
 template <typename T, int NT, int ND>
 void weighted_values(const float* const* p, int64_t len, const T* vc, const int64_t* slots, int64_t kv_heads,
@@ -159,6 +210,7 @@ void weighted_values(const float* const* p, int64_t len, const T* vc, const int6
   for (int t = 0; t < NT; ++t)
     for (int c = 0; c < ND; ++c) acc[t][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; ++j) {
+    if (j + kValuesAhead < len) prefetch(vc + (slots[j + kValuesAhead] * kv_heads + h) * d + c0 * 16, ND * 16 * sizeof(T));
     const T* vp = vc + (slots[j] * kv_heads + h) * d + c0 * 16;
     __m512 v[ND];
     for (int c = 0; c < ND; ++c) v[c] = load16(vp + c * 16);
@@ -172,12 +224,37 @@ void weighted_values(const float* const* p, int64_t len, const T* vc, const int6
       _mm512_storeu_ps(out[t] + (c0 + c) * 16, _mm512_mul_ps(acc[t][c], _mm512_set1_ps(inv[t])));
 }
 
+// Up to kMaxHeads heads of one row at a time, ND chunks of 16 floats each: (heads + 1) x ND of the 32
+// vector registers (the weights come broadcast from memory).
+constexpr int kMaxHeads = 8;
+
 template <typename T, int ND>
 void weighted_values_nt(int nt, const float* const* p, int64_t len, const T* vc, const int64_t* slots,
                         int64_t kv_heads, int64_t h, int64_t d, int64_t c0, float* const* out, const float* inv) {
-  if (nt == 3) weighted_values<T, 3, ND>(p, len, vc, slots, kv_heads, h, d, c0, out, inv);
-  else if (nt == 2) weighted_values<T, 2, ND>(p, len, vc, slots, kv_heads, h, d, c0, out, inv);
-  else weighted_values<T, 1, ND>(p, len, vc, slots, kv_heads, h, d, c0, out, inv);
+  switch (nt) {
+#define DYNASPEC_NT(N)                                                                                   \
+  case N:                                                                                              \
+    if constexpr ((N + 1) * ND <= 32) weighted_values<T, N, ND>(p, len, vc, slots, kv_heads, h, d, c0, out, inv); \
+    else TORCH_CHECK(false, "weighted_values: a tiling that does not fit the registers");                 \
+    break;
+    DYNASPEC_NT(8) DYNASPEC_NT(7) DYNASPEC_NT(6) DYNASPEC_NT(5) DYNASPEC_NT(4) DYNASPEC_NT(3) DYNASPEC_NT(2)
+#undef DYNASPEC_NT
+    default: weighted_values<T, 1, ND>(p, len, vc, slots, kv_heads, h, d, c0, out, inv);
+  }
+}
+
+// The values' tiling for a KV group of ``group`` heads and ``chunks`` chunks of 16: as many heads of a
+// row as fit (all of them up to kMaxHeads), then the widest chunk count that fits with them, so a
+// row reads each value once per group of heads (once in all for groups up to 7 with heads of 64 or
+// 128). Each output element's sum is the same whatever the tiling: its own keys in order.
+inline void values_tiling(int64_t group, int64_t chunks, int* nt_max, int* nd) {
+  *nt_max = static_cast<int>(std::min<int64_t>(group, kMaxHeads));
+  for (int w : {8, 4, 2, 1})
+    if (chunks % w == 0 && (*nt_max + 1) * w <= 32) {
+      *nd = w;
+      return;
+    }
+  *nd = 1;
 }
 
 template <typename T>
@@ -193,26 +270,29 @@ void attend_block_avx512(const float* q, const T* kc, const T* vc, const int64_t
   for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 keys at a time, each query's 16 scores at once
     const T* kp[16];
     for (int k = 0; k < 16; ++k) kp[k] = kc + (slots[j0 + k < n ? j0 + k : 0] * kv_heads + h) * d;
-    for (int64_t x = 0; x < nq; ++x) {
-      if (j0 >= lens[x / group]) continue;
-      const float* qx = q + ((t0 + x / group) * heads + h * group + x % group) * d;
-      __m512 acc[16];
-      for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < d; i += 16) {
-        const __m512 qv = _mm512_loadu_ps(qx + i);
-        for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(qv, load16(kp[k] + i), acc[k]);
+    for (int64_t k = j0 + kKeysAhead; k < std::min(j0 + kKeysAhead + 16, n); ++k)
+      prefetch(kc + (slots[k] * kv_heads + h) * d, d * sizeof(T));
+    for (int64_t x0 = 0; x0 < nq; x0 += kQueryTile) {
+      const int nx = static_cast<int>(std::min<int64_t>(kQueryTile, nq - x0));
+      const float* qx[kQueryTile];
+      float* dst[kQueryTile];
+      for (int t = 0; t < nx; ++t) {
+        const int64_t x = x0 + t;
+        qx[t] = q + ((t0 + x / group) * heads + h * group + x % group) * d;
+        dst[t] = scores.data() + x * stride + j0;
       }
-      _mm512_storeu_ps(scores.data() + x * stride + j0, _mm512_mul_ps(sum16(acc), vscale));
+      tile_scores_nx(nx, qx, kp, d, vscale, dst);
     }
   }
   inv.resize(nq);
   softmax_rows(scores.data(), stride, lens, group, nq, inv.data());
   const int64_t chunks = d / 16;
-  const int nd = chunks % 8 == 0 ? 8 : chunks % 4 == 0 ? 4 : chunks % 2 == 0 ? 2 : 1;
-  for (int64_t x0 = 0; x0 < nq;) {  // up to 3 heads of one row at a time
-    const int nt = static_cast<int>(std::min<int64_t>(3, group - x0 % group));
-    const float* p[3];
-    float* o[3];
+  int nt_max, nd;
+  values_tiling(group, chunks, &nt_max, &nd);
+  for (int64_t x0 = 0; x0 < nq;) {  // up to nt_max heads of one row at a time
+    const int nt = static_cast<int>(std::min<int64_t>(nt_max, group - x0 % group));
+    const float* p[kMaxHeads];
+    float* o[kMaxHeads];
     for (int t = 0; t < nt; ++t) {
       const int64_t x = x0 + t;
       p[t] = scores.data() + x * stride;
