@@ -47,11 +47,13 @@ engine = Engine(EngineConfig(model=sys.argv[2], progress=False, kv_cache_memory_
 ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Write a quicksort in Python."}])
 if int(sys.argv[5]):  # a long context: that many tokens of the HumanEval prompts' text
     from dynaspec.datasets import load_prompts
-    text = "\n".join(load_prompts("humaneval", chat=False))
+    text = "\\n".join(load_prompts("humaneval", chat=False))
     ids = engine.tokenizer.encode(text)[: int(sys.argv[5])]
 params = SamplingParams(max_tokens=10**4, temperature=0.0, ignore_eos=True)
 for bs in map(int, sys.argv[3].split(",")):
     requests = [engine.add_request(ids, params) for _ in range(bs)]
+    while not all(r.is_decoding for r in requests):  # the prompts' prefill
+        engine.step()
     for _ in range(10):
         engine.step()
     print(f"bs {bs} {bs * 1000 / ms_per_call(engine.step, int(sys.argv[4])):.2f}")

@@ -36,6 +36,19 @@ def test_bench_decode_tiny(tmp_path, target_dir):
     assert report["environment"]["torch"]
 
 
+def test_bench_decode_at_a_long_context(tmp_path, target_dir, capsys):
+    out = tmp_path / "decode.json"
+    argv = ["bench", "decode", "--model", str(target_dir), "--batch-sizes", "2", "--max-tokens", "5"]
+    argv += ["--dtype", "float32", "--engines", "dynaspec,transformers", "--result-file", str(out)]
+    assert main([*argv, "--context", "200"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["dynaspec_decode_tokens_per_s"] > 0 and row["transformers_decode_tokens_per_s"] > 0
+    # both engines decode the same 200-token texts: greedy float32 outputs agree
+    assert row["greedy_tokens_agreeing_prefix"]["transformers"] == row["greedy_tokens_total"] == 10
+    assert main([*argv, "--context", "-1"]) != 0
+    assert "--context: must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_bench_spec_tiny(tmp_path, target_dir):
     out = tmp_path / "spec.json"
     rc = main(

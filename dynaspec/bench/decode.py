@@ -2,7 +2,8 @@
 engines on the same model file: llama.cpp (llama-cpp-python, its batch API with one sequence id per
 request, the way its server runs parallel slots) and transformers `generate`.
 
-Same prompts (chat template) and output length for every engine. Decode speed excludes prefill
+Same prompts (chat template, or with --context N, N tokens of the dataset's text each) and output
+length for every engine. Decode speed excludes prefill
 the same way for all: each batch is run for N new tokens and for 1 new token, and decode tokens/s
 = batch x (N - 1) / (t_N - t_1); the 1-token run is also reported as the batch's time to first
 token. Engines take turns on every batch.
@@ -22,6 +23,12 @@ def add_parser(sub) -> None:
     p.add_argument("--dataset", default="humaneval")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        help="prompts of this many tokens of the dataset's text (a long context) instead of chat prompts",
+    )
     p.add_argument("--repeats", type=int, default=1, help="batches per batch size (different prompts)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
@@ -52,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--batch-sizes: need comma-separated integers >= 1")
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in names if e not in ENGINES]
+    if args.context < 0:
+        raise ValueError(f"--context: must be >= 0, got {args.context}")
     if unknown or not names or names[0] != "dynaspec":
         raise ValueError(
             f"--engines: dynaspec first, then any of {', '.join(ENGINES[1:])}; got {args.engines!r}"
@@ -62,11 +71,26 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             quantization=args.quantization,
             max_num_seqs=max(sizes),
-            kv_cache_memory_gb=1.0,
+            kv_cache_memory_gb=1.0 + max(sizes) * (args.context + args.max_tokens) * 64e3 / 1e9,
         )
     )
     source = resolve_model(args.model)
     prompts = load_prompts(args.dataset, chat=True)
+    text_ids = (
+        engine.tokenizer.encode("\n".join(load_prompts(args.dataset, chat=False))) if args.context else []
+    )
+    if args.context > len(text_ids) // 2:
+        raise ValueError(
+            f"--context: {args.dataset}'s text has {len(text_ids)} tokens, too few for {args.context}"
+        )
+
+    def prompt(i: int) -> list[int]:
+        """Request i's prompt: a chat prompt, or ``--context`` tokens of text from an offset of its own."""
+        if not args.context:
+            return engine.tokenizer.apply_chat_template(prompts[i % len(prompts)])
+        start = i * 997 % (len(text_ids) - args.context)
+        return text_ids[start : start + args.context]
+
     pad_id = engine.tokenizer.eos_token_ids[0]
 
     def dynaspec_run(batch: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
@@ -82,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
         gguf = llamacpp.reference_file(args.model)
         if gguf is not None:
             threads = args.threads or torch.get_num_threads()
-            lc = llamacpp.LlamaCppBatch(gguf, threads, max(sizes))
+            n_ctx = max(4096, max(sizes) * (args.context + args.max_tokens + 64))
+            lc = llamacpp.LlamaCppBatch(gguf, threads, max(sizes), n_ctx=n_ctx)
             runners["llama.cpp"] = lambda batch, n: lc.generate(batch, n)[:2]
     if "transformers" in names:
         from transformers import AutoModelForCausalLM
@@ -119,9 +144,7 @@ def run(args: argparse.Namespace) -> int:
             for name in runners
         }
         for _ in range(args.repeats):
-            batch = [
-                engine.tokenizer.apply_chat_template(prompts[(cursor + i) % len(prompts)]) for i in range(bs)
-            ]
+            batch = [prompt(cursor + i) for i in range(bs)]
             cursor += bs
             for name, fn in runners.items():  # interleaved: every engine on the same batch in turn
                 t1, _ = fn(batch, 1)
