@@ -3,10 +3,11 @@ engines on the same model file: llama.cpp (llama-cpp-python, its batch API with 
 request, the way its server runs parallel slots) and transformers `generate`.
 
 Same prompts (chat template, or with --context N, N tokens of the dataset's text each) and output
-length for every engine. Decode speed excludes prefill
-the same way for all: each batch is run for N new tokens and for 1 new token, and decode tokens/s
-= batch x (N - 1) / (t_N - t_1); the 1-token run is also reported as the batch's time to first
-token. Engines take turns on every batch.
+length for every engine. Decode speed excludes prefill: each batch is run for N new tokens, t_1
+being when every request had its first (the batch's time to first token) and t_N the end, and
+decode tokens/s = batch x (N - 1) / (t_N - t_1). dynaspec and llama.cpp tell t_1 from within the
+run; transformers `generate` cannot, so its t_1 is a second run's, for 1 token. Engines take turns
+on every batch.
 """
 
 from __future__ import annotations
@@ -93,13 +94,16 @@ def run(args: argparse.Namespace) -> int:
 
     pad_id = engine.tokenizer.eos_token_ids[0]
 
-    def dynaspec_run(batch: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    def dynaspec_run(batch: list[list[int]], n: int) -> tuple[float, list[list[int]], float]:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
         requests = [engine.add_request(ids, params) for ids in batch]
+        first = None
         while engine.has_unfinished():
             engine.step()
-        return time.perf_counter() - start, [r.output_token_ids for r in requests]
+            if first is None and all(r.output_token_ids for r in requests):
+                first = time.perf_counter() - start
+        return time.perf_counter() - start, [r.output_token_ids for r in requests], first
 
     runners = {"dynaspec": dynaspec_run}
     if "llama.cpp" in names:
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             threads = args.threads or torch.get_num_threads()
             n_ctx = max(4096, max(sizes) * (args.context + args.max_tokens + 64))
             lc = llamacpp.LlamaCppBatch(gguf, threads, max(sizes), n_ctx=n_ctx)
-            runners["llama.cpp"] = lambda batch, n: lc.generate(batch, n)[:2]
+            runners["llama.cpp"] = lc.generate
     if "transformers" in names:
         from transformers import AutoModelForCausalLM
 
@@ -129,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                     do_sample=False,
                     pad_token_id=pad_id,
                 )
-            return time.perf_counter() - start, out[:, width:].tolist()
+            return time.perf_counter() - start, out[:, width:].tolist(), None
 
         runners["transformers"] = hf_run
 
@@ -147,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
             batch = [prompt(cursor + i) for i in range(bs)]
             cursor += bs
             for name, fn in runners.items():  # interleaved: every engine on the same batch in turn
-                t1, _ = fn(batch, 1)
-                tn, outs = fn(batch, args.max_tokens)
+                tn, outs, t1 = fn(batch, args.max_tokens)
+                if t1 is None:  # an engine that cannot tell when its first tokens came: a run for one
+                    t1 = fn(batch, 1)[0]
                 a = acc[name]
                 a["decode_s"] += max(tn - t1, 1e-9)
                 a["tokens"] += bs * (args.max_tokens - 1)
