@@ -5,7 +5,9 @@ text (results/RESULTS.md, "n-gram drafts take plain decoding's draws"):
 - by a draft drawn at the very uniform plain decoding will use (q's CDF inverted there, kept iff
   p's inverse gives the same token): the pair would then emit plain decoding's text exactly;
 - each with the drafter's whole head and with it cut to the first ``--draft-vocab-size`` ids (the
-  pair's config), and the share of sampled tokens that lie beyond the cut (never draftable).
+  pair's config), and the share of sampled tokens that lie beyond the cut (never draftable);
+- with ``--draft-scales``, by rejection sampling from the cut head's distribution sharpened or
+  flattened: drafted at these fractions of the request's temperature (q^(1/s), renormalized).
 
     .venv/bin/python benchmarks/draft_acceptance.py [--dataset humaneval] [--prompts 6] [--max-tokens 128]
 """
@@ -57,6 +59,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--draft-vocab-size", type=int, default=32768)
+    p.add_argument("--draft-scales", default="", help="e.g. 1.0,0.8: draft / request temperature")
     args = p.parse_args()
     target = engine_for(args.model)
     prompts = load_prompts(args.dataset)[: args.prompts]
@@ -89,6 +92,17 @@ def main() -> None:
             f"{name}: kept by rejection sampling {rejection / n:.3f}, by the shared uniform "
             f"{shared / n:.3f} ({shared / rejection:.3f}x)"
         )
+    for scale in [float(x) for x in args.draft_scales.split(",") if x.strip()]:
+        kept_sum = 0.0
+        for pt, q in zip(ps, qs):
+            q = q.double().clone()
+            q[:, cut:] = 0.0
+            q = q.clamp_min(1e-30) ** (1.0 / scale)
+            q[:, cut:] = 0.0
+            q /= q.sum(-1, keepdim=True)
+            kept_sum += float(torch.minimum(pt.double(), q).sum())
+        kept_rate = kept_sum / len(sampled)
+        print(f"draft head cut to {cut}, drafted at {scale:g}x the temperature: kept {kept_rate:.4f}")
 
 
 if __name__ == "__main__":
