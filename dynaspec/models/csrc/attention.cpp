@@ -15,9 +15,8 @@
 // query of the block against a tile of keys while it is in L1, each query's 16 dot products added
 // up by one fixed tree; values are accumulated in registers for as many heads of a row as fit (a
 // whole KV group's, up to 8), over the row's keys in order, so a row reads its values once. Other
-// head sizes take scalar loops in the same shape. Either way a
-// row's arithmetic is the same as it would be alone (its keys 0..p in order, its own partial sums),
-// so the blocking changes no result.
+// head sizes take scalar loops in the same shape. Either way a row's arithmetic is the same as it
+// would be alone (its keys 0..p in order, its own partial sums), so the blocking changes no result.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -210,7 +209,8 @@ void weighted_values(const float* const* p, int64_t len, const T* vc, const int6
   for (int t = 0; t < NT; ++t)
     for (int c = 0; c < ND; ++c) acc[t][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; ++j) {
-    if (j + kValuesAhead < len) prefetch(vc + (slots[j + kValuesAhead] * kv_heads + h) * d + c0 * 16, ND * 16 * sizeof(T));
+    if (j + kValuesAhead < len)
+      prefetch(vc + (slots[j + kValuesAhead] * kv_heads + h) * d + c0 * 16, ND * 16 * sizeof(T));
     const T* vp = vc + (slots[j] * kv_heads + h) * d + c0 * 16;
     __m512 v[ND];
     for (int c = 0; c < ND; ++c) v[c] = load16(vp + c * 16);
@@ -232,10 +232,12 @@ template <typename T, int ND>
 void weighted_values_nt(int nt, const float* const* p, int64_t len, const T* vc, const int64_t* slots,
                         int64_t kv_heads, int64_t h, int64_t d, int64_t c0, float* const* out, const float* inv) {
   switch (nt) {
-#define DYNASPEC_NT(N)                                                                                   \
-  case N:                                                                                              \
-    if constexpr ((N + 1) * ND <= 32) weighted_values<T, N, ND>(p, len, vc, slots, kv_heads, h, d, c0, out, inv); \
-    else TORCH_CHECK(false, "weighted_values: a tiling that does not fit the registers");                 \
+#define DYNASPEC_NT(N)                                                              \
+  case N:                                                                         \
+    if constexpr ((N + 1) * ND <= 32)                                             \
+      weighted_values<T, N, ND>(p, len, vc, slots, kv_heads, h, d, c0, out, inv); \
+    else                                                                          \
+      TORCH_CHECK(false, "weighted_values: a tiling that does not fit the registers"); \
     break;
     DYNASPEC_NT(8) DYNASPEC_NT(7) DYNASPEC_NT(6) DYNASPEC_NT(5) DYNASPEC_NT(4) DYNASPEC_NT(3) DYNASPEC_NT(2)
 #undef DYNASPEC_NT
