@@ -1,7 +1,7 @@
 """What a speculative step costs in a rollout's tail, against the profile's short greedy steps: the
 pair at fixed K, requests whose context is --contexts tokens long, greedy and sampled at
-temperature 1.0 side by side (the figures behind results/RESULTS.md, "No probe behind a
-far-behind drafter"). Prints the median step per (context, K, temperature) and writes JSON.
+temperature 1.0 side by side (the figures behind results/RESULTS.md, "A probe's price").
+Prints the median step per (context, K, temperature) and writes JSON.
 
     .venv/bin/python benchmarks/sampled_step.py [--batch-size 1] [--ks 0,1,3,5] [--contexts 200,2000]
 """

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             quantization=args.quantization,
             max_num_seqs=max(sizes),
+            # 64 KB a token of context: twice the 1.5B's K/V, room for a larger model's
             kv_cache_memory_gb=1.0 + max(sizes) * (args.context + args.max_tokens) * 64e3 / 1e9,
         )
     )
