@@ -6,6 +6,7 @@ text (results/RESULTS.md, "n-gram drafts take plain decoding's draws"):
   p's inverse gives the same token): the pair would then emit plain decoding's text exactly;
 - each with the drafter's whole head and with it cut to the first ``--draft-vocab-size`` ids (the
   pair's config), and the share of sampled tokens that lie beyond the cut (never draftable);
+- with ``--draft-quantization``, for the drafter's weights re-quantized at load (int4, int8);
 - with ``--draft-scales``, by rejection sampling from the cut head's distribution sharpened or
   flattened: drafted at these fractions of the request's temperature (q^(1/s), renormalized).
 
@@ -25,8 +26,10 @@ from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.engine.runner import TokenRun
 
 
-def engine_for(model: str) -> Engine:
-    return Engine(EngineConfig(model=model, progress=False, kv_cache_memory_gb=0.5))
+def engine_for(model: str, quantization: str = "auto") -> Engine:
+    return Engine(
+        EngineConfig(model=model, quantization=quantization, progress=False, kv_cache_memory_gb=0.5)
+    )
 
 
 def probabilities(engine: Engine, texts: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
@@ -60,6 +63,9 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--draft-vocab-size", type=int, default=32768)
     p.add_argument("--draft-scales", default="", help="e.g. 1.0,0.8: draft / request temperature")
+    p.add_argument(
+        "--draft-quantization", default="auto", help="the drafter's --quantization (auto, int8, int4)"
+    )
     args = p.parse_args()
     target = engine_for(args.model)
     prompts = load_prompts(args.dataset)[: args.prompts]
@@ -77,7 +83,8 @@ def main() -> None:
     print(f"{args.dataset}: {len(sampled)} sampled tokens, {beyond:.3f} of them at ids >= {cut}")
     ps = probabilities(target, texts)
     del target
-    qs = probabilities(engine_for(args.draft), texts)
+    qs = probabilities(engine_for(args.draft, args.draft_quantization), texts)
+    print(f"drafter {args.draft}, quantization {args.draft_quantization}")
     for name, head in (("whole draft head", None), (f"draft head cut to {cut}", cut)):
         rejection = shared = 0.0
         for pt, q in zip(ps, qs):

@@ -18,7 +18,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=qwen2.5-coder-1.5b-instruct
-SPEC='{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "draft_vocab_size": 32768, "num_speculative_tokens": 5}'
+PAIR='{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "draft_vocab_size": 32768, "num_speculative_tokens": 5}'
+SPEC="${SPEC:-$PAIR}"  # SPEC=@results/spec_qwen_pair_int4.json: another drafter configuration
 if [ "${THREADS:-1}" = 1 ]; then
     export OMP_NUM_THREADS=1
     D="taskset -c 0 .venv/bin/dynaspec"

@@ -79,6 +79,12 @@ def test_quantized_model_matches_dequantized(ggufs, arch):
     assert torch.equal(
         quantized.model.embed_tokens(torch.tensor(ids)), dense.model.embed_tokens(torch.tensor(ids))
     )
+    # re-quantized at load, the embedding is still the file's rows, not a dense copy of them
+    requantized = load_model(source, "int4", torch.float32, CPU)
+    assert isinstance(requantized.model.embed_tokens, QuantEmbedding)
+    assert torch.equal(
+        requantized.model.embed_tokens(torch.tensor(ids)), dense.model.embed_tokens(torch.tensor(ids))
+    )
     q, d = _logits(quantized, ids), _logits(dense, ids)
     # the only difference: activations rounded to int8 per group of 32 inside each quantized layer
     # (as llama.cpp does); random tiny models with large activations amplify it to a few percent

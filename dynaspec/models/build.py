@@ -7,7 +7,8 @@
 - "none": every weight dense in the compute dtype (a GGUF is dequantized at load).
 - "int8" / "int4": group-wise round-to-nearest at load (groups of 32), from the checkpoint's dense
   values (a GGUF's dequantized ones); lower quality than a GGUF's own K-quants, which search their
-  scales. The embedding stays dense.
+  scales. The embedding stays as the checkpoint has it (a GGUF's quantized rows, looked up in place
+  as for "auto"; dense for a Hugging Face directory).
 Off the CPU (CUDA), the quantized kernels do not run: "auto" means "none" there, "int8"/"int4" are
 refused.
 
@@ -164,7 +165,8 @@ def build_model(
 
     hidden = config.hidden_size
     embed_name = "model.embed_tokens.weight"
-    raw = checkpoint.embedding_rows(embed_name) if mode == "gguf" else None
+    # a GGUF's quantized embedding is looked up from its rows in place (re-quantized layers too)
+    raw = checkpoint.embedding_rows(embed_name) if mode != "none" else None
     if raw is not None:
         model.model.embed_tokens = QuantEmbedding(*raw, dtype=dtype)
     else:
