@@ -1,7 +1,9 @@
 """What a speculative step costs in a rollout's tail, against the profile's short greedy steps: the
 pair at fixed K, requests whose context is --contexts tokens long, greedy and sampled at
 temperature 1.0 side by side (the figures behind results/RESULTS.md, "A probe's price").
-Prints the median step per (context, K, temperature) and writes JSON.
+Prints the median step per (context, K, temperature), and for the sampled steps where it went: the
+drafter's passes, the target's pass (with its LM head) and the rest (sampling, verification,
+bookkeeping); writes JSON.
 
     .venv/bin/python benchmarks/sampled_step.py [--batch-size 1] [--ks 0,1,3,5] [--contexts 200,2000]
 """
@@ -28,7 +30,8 @@ def engine_for(args, k: int) -> Engine:
     )
 
 
-def step_times(engine: Engine, args, context: int, temperature: float) -> list[float]:
+def step_times(engine: Engine, args, context: int, temperature: float) -> list[tuple[float, float, float]]:
+    """(step ms, drafter ms, target ms) of each timed step."""
     ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Write a quicksort in Python."}])
     params = SamplingParams(max_tokens=10**4, temperature=temperature, ignore_eos=True, seed=0)
     for _ in range(args.batch_size):
@@ -36,10 +39,13 @@ def step_times(engine: Engine, args, context: int, temperature: float) -> list[f
     for _ in range(4):  # prefill, the drafter's catch-up, warm-up
         engine.step()
     out = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        engine.step()
-        out.append((time.perf_counter() - t0) * 1000)
+    with engine.recording() as recording:
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            engine.step()
+            timing = recording.timings[-1]
+            drafter = sum(p.ms for p in timing.draft_passes)
+            out.append(((time.perf_counter() - t0) * 1000, drafter, timing.target_ms))
     return out
 
 
@@ -56,11 +62,29 @@ def main() -> None:
     rows, results = [], []
     for context in [int(c) for c in args.contexts.split(",")]:
         for k in [int(k) for k in args.ks.split(",")]:
-            ms = {t: statistics.median(step_times(engine_for(args, k), args, context, t)) for t in (0.0, 1.0)}
-            results.append({"context": context, "k": k, "greedy_ms": ms[0.0], "sampled_ms": ms[1.0]})
-            rows.append([context, k, f"{ms[0.0]:.1f}", f"{ms[1.0]:.1f}", f"{ms[1.0] / ms[0.0]:.2f}"])
-    print(f"batch {args.batch_size}: median step ms over {args.steps} steps")
-    print(format_table(["context", "K", "greedy ms", "sampled ms", "sampled / greedy"], rows))
+            times = {t: step_times(engine_for(args, k), args, context, t) for t in (0.0, 1.0)}
+            ms = {t: statistics.median(s for s, _, _ in times[t]) for t in times}
+            drafter = statistics.median(d for _, d, _ in times[1.0])
+            target = statistics.median(g for _, _, g in times[1.0])
+            rest = statistics.median(s - d - g for s, d, g in times[1.0])
+            results.append(
+                {
+                    "context": context,
+                    "k": k,
+                    "greedy_ms": ms[0.0],
+                    "sampled_ms": ms[1.0],
+                    "sampled_drafter_ms": drafter,
+                    "sampled_target_ms": target,
+                    "sampled_rest_ms": rest,
+                }
+            )
+            rows.append(
+                [context, k, f"{ms[0.0]:.1f}", f"{ms[1.0]:.1f}", f"{ms[1.0] / ms[0.0]:.2f}"]
+                + [f"{drafter:.1f}", f"{target:.1f}", f"{rest:.1f}"]
+            )
+    print(f"batch {args.batch_size}: median step ms over {args.steps} steps (drafter, target, rest: sampled)")
+    headers = ["context", "K", "greedy ms", "sampled ms", "sampled / greedy", "drafter", "target", "rest"]
+    print(format_table(headers, rows))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": results}, f, indent=1)

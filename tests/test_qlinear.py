@@ -19,8 +19,10 @@ from dynaspec.models.qlinear import (
     AMX_MIN_ROWS,
     NO_AMX,
     SCALE_F16,
+    SCALE_F16_SYM,
     SCALE_F32,
     SCALE_SUPER,
+    SCALE_SUPER_SYM,
     QuantLinear,
     default_path,
     kernel_error,
@@ -165,16 +167,19 @@ def test_the_hot_path_follows_the_buffers_when_they_move() -> None:
 
 @needs_kernel
 def test_kernel_streams_the_smallest_exact_scales() -> None:
-    modes = {
-        kind: QuantLinear(_weight(kind), path="vnni").impl.mode
-        for kind in ("q4_affine", "gguf_q4_k", "gguf_q6_k", "gguf_q8_0")
-    }
-    assert modes == {
+    kinds = ("q4_affine", "gguf_q4_k", "gguf_q6_k", "gguf_q8_0", "gguf_q5_0", "gguf_q5_1")
+    layers = {kind: QuantLinear(_weight(kind), path="vnni") for kind in kinds}
+    assert {kind: layer.impl.mode for kind, layer in layers.items()} == {
         "q4_affine": SCALE_F32,
         "gguf_q4_k": SCALE_SUPER,
-        "gguf_q6_k": SCALE_SUPER,
-        "gguf_q8_0": SCALE_F16,
+        "gguf_q6_k": SCALE_SUPER_SYM,  # symmetric: the offsets are not stored
+        "gguf_q8_0": SCALE_F16_SYM,
+        "gguf_q5_0": SCALE_F16_SYM,
+        "gguf_q5_1": SCALE_F16,
     }
+    # one field a group for the symmetric types: Q8_0 streams 2 bytes of scale per 32 codes
+    impl = layers["gguf_q8_0"].impl
+    assert impl.scales_sub.numel() == impl.packed.shape[0] * impl.packed.shape[1] * 16
 
 
 def test_quantize_dense_round_trips() -> None:

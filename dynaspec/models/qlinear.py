@@ -30,7 +30,8 @@ PATHS = ("vnni", "int4", "int8", "dense")
 # Calls with at least this many rows use AMX tiles when the CPU has them (identical results): the
 # measured crossover on a 1536x8960 Q4_K layer, 2 threads (VNNI ~0.03 ms per row, a 16-row AMX block ~0.5 ms).
 AMX_MIN_ROWS = 12
-SCALE_F32, SCALE_F16, SCALE_SUPER = 0, 1, 2  # the kernel's scale modes (csrc/qmatmul.cpp ScaleMode)
+# the kernel's scale modes (csrc/qmatmul.cpp ScaleMode); the _SYM ones leave out a symmetric type's offsets
+SCALE_F32, SCALE_F16, SCALE_SUPER, SCALE_F16_SYM, SCALE_SUPER_SYM = 0, 1, 2, 3, 4
 NO_AMX = 2**62  # an amx_min_rows that keeps every call on the VNNI loop
 
 
@@ -114,21 +115,28 @@ def _scale_table(
     pad: int,
 ) -> tuple[int, torch.Tensor, torch.Tensor, int]:
     """The smallest exact storage of the kernel's scales and offsets, in tiles of 16 columns:
-    (mode, f32 [tiles, groups or super-blocks, 2, 16], sub [tiles, groups, 2, 16], groups per
-    super-block). K-quants stream int8 sub-scales (2 bytes per group and column instead of 8);
-    types whose scales are f16 values stream them as f16."""
+    (mode, f32 [tiles, groups or super-blocks, fields, 16], sub [tiles, groups, fields, 16], groups
+    per super-block). K-quants stream int8 sub-scales (2 bytes per group and column instead of 8);
+    types whose scales are f16 values stream them as f16. Symmetric types (no offsets of their own:
+    the unsigned form's is -2^(bits-1) x the scale, which the kernel computes) stream the scales
+    alone (one field instead of two)."""
 
     def tiled(*vs: torch.Tensor) -> torch.Tensor:  # k x [out, n] -> [tiles, n, k, 16]
         v = F.pad(torch.stack(vs, dim=-1), (0, 0, 0, 0, 0, pad))
         return v.view(-1, KERNEL_LANES, *v.shape[1:]).permute(0, 2, 3, 1).contiguous()
 
     empty = torch.empty(0)
+    symmetric = weight.offsets is None and _kernel_bits(weight) == weight.bits  # the kernel's shift
     sb = weight.superblocks
     if sb is not None:
+        if symmetric:
+            return SCALE_SUPER_SYM, tiled(sb.d), tiled(sb.sc), sb.size
         dmin, m = (sb.dmin, sb.m) if weight.offsets is not None else (sb.d * -(2 ** (weight.bits - 1)), sb.sc)
         return SCALE_SUPER, tiled(sb.d, dmin), tiled(sb.sc, m), sb.size
     half = torch.stack([weight.scales, offsets]).half()
     if torch.isfinite(half).all() and torch.equal(half.float(), torch.stack([weight.scales, offsets])):
+        if symmetric:
+            return SCALE_F16_SYM, empty, tiled(half[0]).view(torch.int16), 1
         return SCALE_F16, empty, tiled(half[0], half[1]).view(torch.int16), 1
     return SCALE_F32, tiled(weight.scales.float(), offsets.float()), empty, 1
 

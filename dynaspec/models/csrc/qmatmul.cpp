@@ -73,16 +73,22 @@ void quantize_rows(const float* x, int64_t rows, int64_t n_in, int8_t* xq, float
 
 // How a tile's per-group scales and offsets are stored (the packer picks the smallest exact one):
 // float32 per group; float16 per group (the legacy GGUF types, whose d and m are f16); or the
-// K-quants' two levels, float32 (d, dmin) per super-block times int8 (sc, m) per group.
-enum ScaleMode : int64_t { kScaleF32 = 0, kScaleF16 = 1, kScaleSuper = 2 };
+// K-quants' two levels, float32 (d, dmin) per super-block times int8 (sc, m) per group. The
+// symmetric types (Q4_0, Q5_0, Q8_0, Q6_K: codes centred on zero) store no offsets: theirs is
+// the scale times -2^(bits-1), which the kernel computes, exactly (a power of two), so a weight
+// streams a third or half fewer scale bytes and gives the same bits.
+enum ScaleMode : int64_t { kScaleF32 = 0, kScaleF16 = 1, kScaleSuper = 2, kScaleF16Sym = 3, kScaleSuperSym = 4 };
+
+constexpr int64_t scale_fields(int64_t mode) { return mode == kScaleF16Sym || mode == kScaleSuperSym ? 1 : 2; }
 
 struct ScaleTable {
-  const float* f32;     // kScaleF32: [tiles, groups, 2, 16]; kScaleSuper: [tiles, supers, 2, 16]
-  const uint16_t* f16;  // kScaleF16: [tiles, groups, 2, 16]
-  const int8_t* sub;    // kScaleSuper: [tiles, groups, 2, 16]
+  const float* f32;     // kScaleF32: [tiles, groups, 2, 16]; kScaleSuper(Sym): [tiles, supers, 2 (1), 16]
+  const uint16_t* f16;  // kScaleF16(Sym): [tiles, groups, 2 (1), 16]
+  const int8_t* sub;    // kScaleSuper(Sym): [tiles, groups, 2 (1), 16]
   int64_t groups;
   int64_t super_groups;  // groups per super-block (kScaleSuper)
   int64_t supers;        // super-blocks per tile (kScaleSuper)
+  float neg_shift;       // the symmetric modes' offset per unit of scale: -2^(bits-1)
 };
 
 // The scales (vs) and offsets (vo) of one tile and group, as float32; the same values in every mode.
@@ -97,13 +103,22 @@ inline void load_scales(const ScaleTable& t, int64_t tile, int64_t g, int64_t su
   } else if constexpr (MODE == kScaleF16) {
     vs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.f16 + at)));
     vo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.f16 + at + kLanes)));
+  } else if constexpr (MODE == kScaleF16Sym) {
+    vs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.f16 + at / 2)));
+    vo = _mm512_mul_ps(vs, _mm512_set1_ps(t.neg_shift));
   } else {
-    const float* d = t.f32 + (tile * t.supers + sup) * 2 * kLanes;
     const auto ints = [](const int8_t* p) {
       return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     };
-    vs = _mm512_mul_ps(_mm512_loadu_ps(d), ints(t.sub + at));
-    vo = _mm512_mul_ps(_mm512_loadu_ps(d + kLanes), ints(t.sub + at + kLanes));
+    if constexpr (MODE == kScaleSuperSym) {
+      // (d * -2^(b-1)) * sc, as the two-field form computes it, is (d * sc) * -2^(b-1) to the bit
+      vs = _mm512_mul_ps(_mm512_loadu_ps(t.f32 + (tile * t.supers + sup) * kLanes), ints(t.sub + at / 2));
+      vo = _mm512_mul_ps(vs, _mm512_set1_ps(t.neg_shift));
+    } else {
+      const float* d = t.f32 + (tile * t.supers + sup) * 2 * kLanes;
+      vs = _mm512_mul_ps(_mm512_loadu_ps(d), ints(t.sub + at));
+      vo = _mm512_mul_ps(_mm512_loadu_ps(d + kLanes), ints(t.sub + at + kLanes));
+    }
   }
 }
 
@@ -397,7 +412,9 @@ void dispatch_mode(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& 
                    at::Tensor& out, int64_t amx_min_rows) {
   if (mode == kScaleF32) run<BITS, G, kScaleF32>(xf, w, st, tiles, out, amx_min_rows);
   else if (mode == kScaleF16) run<BITS, G, kScaleF16>(xf, w, st, tiles, out, amx_min_rows);
-  else run<BITS, G, kScaleSuper>(xf, w, st, tiles, out, amx_min_rows);
+  else if (mode == kScaleSuper) run<BITS, G, kScaleSuper>(xf, w, st, tiles, out, amx_min_rows);
+  else if (mode == kScaleF16Sym) run<BITS, G, kScaleF16Sym>(xf, w, st, tiles, out, amx_min_rows);
+  else run<BITS, G, kScaleSuperSym>(xf, w, st, tiles, out, amx_min_rows);
 }
 
 }  // namespace
@@ -407,8 +424,9 @@ namespace dynaspec_ops {
 // x [rows, in] (float32/bfloat16/float16); w [tiles, groups, tile bytes] uint8 -> [rows, n_out] float32.
 // scales by mode: kScaleF32: f32 [tiles, groups, 2, 16] (scale, offset), sub empty; kScaleF16: f32
 // empty, sub int16 [tiles, groups, 2, 16] (f16 bits); kScaleSuper: f32 [tiles, supers, 2, 16] (d,
-// dmin), sub int8 [tiles, groups, 2, 16] (sc, m). amx_min_rows: calls with at least this many rows
-// use AMX tiles where available (same results).
+// dmin), sub int8 [tiles, groups, 2, 16] (sc, m); kScaleF16Sym and kScaleSuperSym: the same with
+// the second field (the offset) left out. amx_min_rows: calls with at least this many rows use AMX
+// tiles where available (same results).
 at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& f32, const at::Tensor& sub,
                     int64_t n_out, int64_t group, int64_t bits, int64_t mode, int64_t super_groups,
                     int64_t amx_min_rows) {
@@ -418,18 +436,20 @@ at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const int64_t tiles = w.size(0), groups = w.size(1);
   TORCH_CHECK(tiles % kTilesPerStep == 0 && tiles * kLanes >= n_out, "qmm_vnni: bad tile count");
   TORCH_CHECK(x.size(1) == groups * group, "qmm_vnni: x's width does not match the packed weight");
-  ScaleTable st{nullptr, nullptr, nullptr, groups, std::max<int64_t>(super_groups, 1), 0};
+  ScaleTable st{nullptr, nullptr, nullptr, groups, std::max<int64_t>(super_groups, 1), 0,
+                -static_cast<float>(int64_t{1} << (bits - 1))};
   st.supers = (groups + st.super_groups - 1) / st.super_groups;
+  TORCH_CHECK(mode >= kScaleF32 && mode <= kScaleSuperSym, "qmm_vnni: unknown scale mode ", mode);
+  const int64_t fields = scale_fields(mode);
   if (mode == kScaleF32) {
     TORCH_CHECK(f32.numel() == tiles * groups * 2 * kLanes, "qmm_vnni: bad f32 scales");
     st.f32 = f32.data_ptr<float>();
-  } else if (mode == kScaleF16) {
-    TORCH_CHECK(sub.scalar_type() == at::kShort && sub.numel() == tiles * groups * 2 * kLanes, "qmm_vnni: bad f16 scales");
+  } else if (mode == kScaleF16 || mode == kScaleF16Sym) {
+    TORCH_CHECK(sub.scalar_type() == at::kShort && sub.numel() == tiles * groups * fields * kLanes, "qmm_vnni: bad f16 scales");
     st.f16 = reinterpret_cast<const uint16_t*>(sub.data_ptr<int16_t>());
   } else {
-    TORCH_CHECK(mode == kScaleSuper, "qmm_vnni: unknown scale mode ", mode);
-    TORCH_CHECK(f32.numel() == tiles * st.supers * 2 * kLanes, "qmm_vnni: bad super-block scales");
-    TORCH_CHECK(sub.scalar_type() == at::kChar && sub.numel() == tiles * groups * 2 * kLanes, "qmm_vnni: bad sub-scales");
+    TORCH_CHECK(f32.numel() == tiles * st.supers * fields * kLanes, "qmm_vnni: bad super-block scales");
+    TORCH_CHECK(sub.scalar_type() == at::kChar && sub.numel() == tiles * groups * fields * kLanes, "qmm_vnni: bad sub-scales");
     st.f32 = f32.data_ptr<float>();
     st.sub = sub.data_ptr<int8_t>();
   }
