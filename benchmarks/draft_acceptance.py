@@ -102,10 +102,8 @@ def main() -> None:
     for scale in [float(x) for x in args.draft_scales.split(",") if x.strip()]:
         kept_sum = 0.0
         for pt, q in zip(ps, qs):
-            q = q.double().clone()
-            q[:, cut:] = 0.0
-            q = q.clamp_min(1e-30) ** (1.0 / scale)
-            q[:, cut:] = 0.0
+            q = q.double().clamp_min(1e-30) ** (1.0 / scale)
+            q[:, cut:] = 0.0  # the cut head never proposes these ids
             q /= q.sum(-1, keepdim=True)
             kept_sum += float(torch.minimum(pt.double(), q).sum())
         kept_rate = kept_sum / len(sampled)

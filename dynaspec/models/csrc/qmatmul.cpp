@@ -91,34 +91,36 @@ struct ScaleTable {
   float neg_shift;       // the symmetric modes' offset per unit of scale: -2^(bits-1)
 };
 
+// The int8 sub-scales of one group, widened to float32.
+inline __m512 sub_scales(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // The scales (vs) and offsets (vo) of one tile and group, as float32; the same values in every mode.
 // sup: the group's super-block, g / super_groups (kScaleSuper), which a loop over g can count
 // instead of dividing.
 template <int MODE>
 inline void load_scales(const ScaleTable& t, int64_t tile, int64_t g, int64_t sup, __m512& vs, __m512& vo) {
-  const int64_t at = (tile * t.groups + g) * 2 * kLanes;
+  constexpr int64_t kFields = scale_fields(MODE);
+  const int64_t at = (tile * t.groups + g) * kFields * kLanes;  // this group's first field
+  const int64_t at_super = (tile * t.supers + sup) * kFields * kLanes;  // the K-quants' super-block
   if constexpr (MODE == kScaleF32) {
     vs = _mm512_loadu_ps(t.f32 + at);
     vo = _mm512_loadu_ps(t.f32 + at + kLanes);
   } else if constexpr (MODE == kScaleF16) {
     vs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.f16 + at)));
     vo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.f16 + at + kLanes)));
-  } else if constexpr (MODE == kScaleF16Sym) {
-    vs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.f16 + at / 2)));
-    vo = _mm512_mul_ps(vs, _mm512_set1_ps(t.neg_shift));
-  } else {
-    const auto ints = [](const int8_t* p) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    };
-    if constexpr (MODE == kScaleSuperSym) {
-      // (d * -2^(b-1)) * sc, as the two-field form computes it, is (d * sc) * -2^(b-1) to the bit
-      vs = _mm512_mul_ps(_mm512_loadu_ps(t.f32 + (tile * t.supers + sup) * kLanes), ints(t.sub + at / 2));
-      vo = _mm512_mul_ps(vs, _mm512_set1_ps(t.neg_shift));
+  } else if constexpr (MODE == kScaleSuper) {
+    vs = _mm512_mul_ps(_mm512_loadu_ps(t.f32 + at_super), sub_scales(t.sub + at));
+    vo = _mm512_mul_ps(_mm512_loadu_ps(t.f32 + at_super + kLanes), sub_scales(t.sub + at + kLanes));
+  } else {  // symmetric: the offset is the scale times -2^(b-1), exactly; for a K-quant,
+            // (d * -2^(b-1)) * sc, as the two-field form has it, is (d * sc) * -2^(b-1) to the bit
+    if constexpr (MODE == kScaleF16Sym) {
+      vs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.f16 + at)));
     } else {
-      const float* d = t.f32 + (tile * t.supers + sup) * 2 * kLanes;
-      vs = _mm512_mul_ps(_mm512_loadu_ps(d), ints(t.sub + at));
-      vo = _mm512_mul_ps(_mm512_loadu_ps(d + kLanes), ints(t.sub + at + kLanes));
+      vs = _mm512_mul_ps(_mm512_loadu_ps(t.f32 + at_super), sub_scales(t.sub + at));
     }
+    vo = _mm512_mul_ps(vs, _mm512_set1_ps(t.neg_shift));
   }
 }
 
