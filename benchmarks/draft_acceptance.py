@@ -7,6 +7,8 @@ text (results/RESULTS.md, "n-gram drafts take plain decoding's draws"):
 - each with the drafter's whole head and with it cut to the first ``--draft-vocab-size`` ids (the
   pair's config), and the share of sampled tokens that lie beyond the cut (never draftable);
 - with ``--draft-quantization``, for the drafter's weights re-quantized at load (int4, int8);
+- with ``--draft-context-windows``, for a drafter that sees only the context's first 4 tokens and its
+  last W (``draft_context_window``, a sliding window), by rejection sampling with the cut head;
 - with ``--draft-scales``, by rejection sampling from the cut head's distribution sharpened or
   flattened: drafted at these fractions of the request's temperature (q^(1/s), renormalized).
 
@@ -66,6 +68,7 @@ def main() -> None:
     p.add_argument(
         "--draft-quantization", default="auto", help="the drafter's --quantization (auto, int8, int4)"
     )
+    p.add_argument("--draft-context-windows", default="", help="e.g. 64,256: sliding windows to compare")
     args = p.parse_args()
     target = engine_for(args.model)
     prompts = load_prompts(args.dataset)[: args.prompts]
@@ -83,7 +86,8 @@ def main() -> None:
     print(f"{args.dataset}: {len(sampled)} sampled tokens, {beyond:.3f} of them at ids >= {cut}")
     ps = probabilities(target, texts)
     del target
-    qs = probabilities(engine_for(args.draft, args.draft_quantization), texts)
+    drafter = engine_for(args.draft, args.draft_quantization)
+    qs = probabilities(drafter, texts)
     print(f"drafter {args.draft}, quantization {args.draft_quantization}")
     for name, head in (("whole draft head", None), (f"draft head cut to {cut}", cut)):
         rejection = shared = 0.0
@@ -99,6 +103,16 @@ def main() -> None:
             f"{name}: kept by rejection sampling {rejection / n:.3f}, by the shared uniform "
             f"{shared / n:.3f} ({shared / rejection:.3f}x)"
         )
+    for window in [int(x) for x in args.draft_context_windows.split(",") if x.strip()]:
+        drafter.runner.window = window
+        kept_sum = 0.0
+        for pt, q in zip(ps, probabilities(drafter, texts)):
+            q[:, cut:] = 0.0
+            q /= q.sum(-1, keepdim=True)
+            kept_sum += kept(pt, q)[0]
+        drafter.runner.window = None
+        kept_rate = kept_sum / len(sampled)
+        print(f"draft head cut to {cut}, context window {window}: kept by rejection sampling {kept_rate:.3f}")
     for scale in [float(x) for x in args.draft_scales.split(",") if x.strip()]:
         kept_sum = 0.0
         for pt, q in zip(ps, qs):

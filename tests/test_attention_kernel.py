@@ -73,3 +73,35 @@ def test_each_row_is_bitwise_the_same_alone_or_shared(heads, kv_heads, d, dtype)
     order = torch.argsort(row_seq, descending=True, stable=True)
     shuffled = _attend(q[order].contiguous(), k_cache, v_cache, table, row_seq[order], row_len[order])
     assert torch.equal(shuffled, together[order])
+
+
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_a_sliding_window_sees_the_sinks_and_the_last_keys(rowwise):
+    """``window``: each row attends to the first SINK_TOKENS positions and the `window` up to its own
+    (a drafter's draft_context_window), in both attention paths, for decodes, a verified window, a
+    long run the window cuts row by row and a sequence shorter than the window."""
+    import numpy as np
+
+    from dynaspec.models.attention import SINK_TOKENS, build_attention_metadata, paged_attention
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, block, window = 4, 2, 64, 8, 8
+    q_lens, ctx_lens = [1, 3, 20, 2], [30, 50, 70, 5]
+    tables = [[i * 10 + j for j in range(10)] for i in range(len(q_lens))]
+    k_cache, v_cache = (torch.randn(400, kv_heads, d, generator=gen) for _ in range(2))
+    n = sum(q_lens)
+    q = torch.randn(n, heads, d, generator=gen)
+    k, v = (torch.randn(n, kv_heads, d, generator=gen) for _ in range(2))
+    meta = build_attention_metadata(q_lens, ctx_lens, tables, block, torch.device("cpu"), rowwise, window)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta)  # writes the new K/V, then attends
+    row, group = 0, heads // kv_heads
+    for q_len, c, table in zip(q_lens, ctx_lens, tables):
+        slots = np.asarray(table)[np.arange(c) // block] * block + np.arange(c) % block
+        for p in range(c - q_len, c):
+            seen = [j for j in range(p + 1) if j < SINK_TOKENS or j > p - window]
+            keys = k_cache[slots[seen]].repeat_interleave(group, 1).double()
+            values = v_cache[slots[seen]].repeat_interleave(group, 1).double()
+            scores = torch.einsum("hd,khd->hk", q[row].double(), keys) * d**-0.5
+            expected = torch.einsum("hk,khd->hd", scores.softmax(-1), values)
+            torch.testing.assert_close(out[row].double(), expected, atol=1e-5, rtol=1e-5)
+            row += 1

@@ -246,9 +246,10 @@ def test_a_windowed_drafter_is_lossless_when_it_skips_what_it_missed(target_dir,
 def test_a_windowed_drafter_drafts_from_the_first_tokens_and_the_window(target_dir):
     """The target as its own drafter, window 6: every draft is the model's greedy continuation of
     what the drafter read (its first 4 tokens, then from the window's start on), through a first
-    skip over the prompt and a second over output generated while K was 0."""
+    skip over the prompt and a second over output generated while K was 0, each token seeing the
+    first 4 and the 6 before it (a reference engine with the same sliding window)."""
     from dynaspec.kpolicy.policy import FixedK
-    from dynaspec.spec_decode.draft_model import SINK_TOKENS
+    from dynaspec.models.attention import SINK_TOKENS
 
     window = 6
     spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 2}
@@ -278,6 +279,7 @@ def test_a_windowed_drafter_drafts_from_the_first_tokens_and_the_window(target_d
     assert not engine.has_unfinished() and len(request.output_token_ids) == 48
 
     reference = make_engine(target_dir)
+    reference.runner.window = window
     read: list[int] = []  # positions of the context the drafter holds, in its cache's order
     skips = 0
     for context, done, drafts in steps:

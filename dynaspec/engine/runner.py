@@ -41,6 +41,8 @@ class ModelRunner:
         self.rowwise = (
             device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and kernel_error() is None
         )
+        # a drafter's draft_context_window: each token sees the sinks and the last `window` tokens
+        self.window: int | None = None
 
     def forward(self, plan: SchedulePlan, drafts: Drafts) -> TargetLogits:
         """The target's pass for a step: each decode's last token and drafts, then the prefill chunks.
@@ -98,6 +100,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             rowwise=self.rowwise,
+            window=self.window,
         )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=self.device),

@@ -22,6 +22,9 @@ import torch.nn.functional as F
 # Sequences whose q_len is at most this are batched together (decode + drafts); longer
 # ones (prefill chunks) each form their own group.
 SHORT_QUERY_MAX = 16
+# A windowed model (a drafter with ``draft_context_window``) keeps the context's first tokens in
+# view: attention leans on them (StreamingLLM's attention sinks).
+SINK_TOKENS = 4
 
 
 @dataclass(slots=True)
@@ -59,23 +62,31 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     rowwise: bool = False,
+    window: int | None = None,
 ) -> AttentionMetadata:
     """Plan attention for sequences whose new tokens are laid out back to back in the flat batch.
 
-    ``ctx_lens[i]`` counts the sequence's tokens including its ``q_lens[i]`` new ones. Built with
-    numpy on the host (small arrays: torch's per-op overhead dominated here), copied once.
+    ``ctx_lens[i]`` counts the sequence's tokens including its ``q_lens[i]`` new ones. With
+    ``window``, a token at position p sees only the first ``SINK_TOKENS`` positions and the last
+    ``window`` up to itself (p - window < key <= p), a sliding window whose cost stays flat as the
+    context grows. Built with numpy on the host (small arrays: torch's per-op overhead dominated
+    here), copied once.
     """
     slots = [_slots(table, block_size, c) for c, table in zip(ctx_lens, block_tables)]  # [c] each
     slot_mapping = np.concatenate([s[c - q :] for s, q, c in zip(slots, q_lens, ctx_lens)])
     if rowwise:
-        table = np.zeros((len(slots), max(ctx_lens)), dtype=np.int64)
-        for i, s in enumerate(slots):
-            table[i, : len(s)] = s
-        row_seq = np.repeat(np.arange(len(q_lens), dtype=np.int64), q_lens)
-        row_len = np.concatenate(
-            [np.arange(c - q + 1, c + 1, dtype=np.int64) for q, c in zip(q_lens, ctx_lens)]
-        )
-        plan = RowwisePlan(*(torch.from_numpy(a).to(device) for a in (table, row_seq, row_len)))
+        if window is not None and any(c > SINK_TOKENS + window for c in ctx_lens):
+            plan = _windowed_rows(slots, q_lens, ctx_lens, window)
+        else:
+            table = np.zeros((len(slots), max(ctx_lens)), dtype=np.int64)
+            for i, s in enumerate(slots):
+                table[i, : len(s)] = s
+            row_seq = np.repeat(np.arange(len(q_lens), dtype=np.int64), q_lens)
+            row_len = np.concatenate(
+                [np.arange(c - q + 1, c + 1, dtype=np.int64) for q, c in zip(q_lens, ctx_lens)]
+            )
+            plan = RowwisePlan(*(torch.from_numpy(a) for a in (table, row_seq, row_len)))
+        plan = RowwisePlan(*(t.to(device) for t in (plan.slot_table, plan.row_seq, plan.row_len)))
         return AttentionMetadata(torch.from_numpy(slot_mapping).to(device), [], None, plan)
 
     starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
@@ -103,7 +114,10 @@ def build_attention_metadata(
             query_valid[row, :q] = True
             kv_slots[row, :c] = slots[i]
             # query j sits at position c - q + j and sees keys 0..c - q + j
-            mask[row, 0, :q] = key_pos[None, :] <= np.arange(c - q, c)[:, None]
+            query_pos = np.arange(c - q, c)[:, None]
+            mask[row, 0, :q] = key_pos[None, :] <= query_pos
+            if window is not None:  # ... of which the sinks and the last `window`
+                mask[row, 0, :q] &= (key_pos[None, :] < SINK_TOKENS) | (key_pos[None, :] > query_pos - window)
             order.append(rows)
         # padded query rows attend to key 0 so softmax stays finite; their output is dropped
         mask[:, 0, :, 0] |= ~query_valid
@@ -124,6 +138,37 @@ def build_attention_metadata(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
         groups=groups,
         out_index=torch.from_numpy(out_index).to(device),
+    )
+
+
+def _windowed_rows(
+    slots: list[np.ndarray], q_lens: list[int], ctx_lens: list[int], window: int
+) -> RowwisePlan:
+    """The row-wise plan for a sliding window: a sequence the window cuts gets a table row per
+    query row (its sinks, then its last ``window`` keys up to that row), so each row reads only
+    what it sees; the others keep one table row shared by their rows."""
+    tables: list[np.ndarray] = []
+    row_seq: list[int] = []
+    row_len: list[int] = []
+    for s, q, c in zip(slots, q_lens, ctx_lens):
+        if c <= SINK_TOKENS + window:
+            tables.append(s)
+            row_seq += [len(tables) - 1] * q
+            row_len += range(c - q + 1, c + 1)
+            continue
+        for p in range(c - q, c):  # the row at position p
+            lo = max(SINK_TOKENS, p + 1 - window)
+            seen = np.concatenate([s[: min(SINK_TOKENS, p + 1)], s[lo : p + 1]])
+            tables.append(seen)
+            row_seq.append(len(tables) - 1)
+            row_len.append(len(seen))
+    table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = t
+    return RowwisePlan(
+        torch.from_numpy(table),
+        torch.tensor(row_seq, dtype=torch.long),
+        torch.tensor(row_len, dtype=torch.long),
     )
 
 

@@ -6,12 +6,16 @@ remembers how many tokens its cache holds; a step first catches up on the tokens
 then runs K - 1 single-token passes. After verification, the drafter's K/V for accepted drafts
 stays valid and the rest is simply overwritten later.
 
-With ``draft_context_window: W`` a drafter that has fallen more than W tokens behind a request (a
-new prompt, or output generated while K was 0, as in a rollout's drain) does not read all of it:
-it reads the context's first ``SINK_TOKENS`` if it lacks them and the last W tokens, and skips the
-rest. Its cache indices (and RoPE positions) close up over the gap, so from then on a request's
-token at position p sits at index p - shift in the drafter (StreamingLLM's window with attention
-sinks). Drafts may get worse; verification keeps the output lossless either way.
+With ``draft_context_window: W`` the drafter sees only the context's first ``SINK_TOKENS`` and its
+last W tokens (StreamingLLM's window with attention sinks), so neither its catch-up nor its
+attention grows with the context:
+- a drafter that has fallen more than W tokens behind a request (a new prompt, or output generated
+  while K was 0, as in a rollout's drain) reads the first tokens if it lacks them and the last W,
+  and skips the rest. Its cache indices (and RoPE positions) close up over the gap, so from then on
+  a request's token at position p sits at index p - shift in the drafter;
+- every token it reads or drafts attends to the first ``SINK_TOKENS`` indices and the last W up to
+  its own (the runner's sliding window), however long the request has run since.
+Drafts may get worse; verification keeps the output lossless either way.
 """
 
 from __future__ import annotations
@@ -25,11 +29,10 @@ from dynaspec.engine.kv_cache import kv_bytes_per_token
 from dynaspec.engine.runner import ModelRunner, TokenRun
 from dynaspec.engine.sampler import SamplingTensors, apply_penalties, processed_probs, sample_from
 from dynaspec.engine.types import DraftPass, Drafts, SchedulePlan, StepResult
+from dynaspec.models.attention import SINK_TOKENS
 from dynaspec.models.build import effective_quantization
 from dynaspec.models.loader import compute_dtypes, load_model, resolve_model
 from dynaspec.spec_decode.proposer import Proposer, ProposerContext, register_proposer
-
-SINK_TOKENS = 4  # a windowed catch-up keeps the context's first tokens: attention leans on them
 
 
 @register_proposer("draft_model")
@@ -52,10 +55,21 @@ class DraftModelProposer(Proposer):
         )
         self.vocab_size = self.model.config.vocab_size  # the verifier's q needs the full vocabulary
         self.runner: ModelRunner | None = None
-        self.window = spec_config.draft_context_window
+        self._window = spec_config.draft_context_window
         self.num_computed: dict[str, int] = {}  # request id -> tokens the drafter has read or skipped
         self.shift: dict[str, int] = {}  # request id -> tokens skipped: position p sits at index p - shift
         self.fed_drafts: dict[str, int] = {}  # of the step being verified: request id -> drafts fed
+
+    @property
+    def window(self) -> int | None:
+        return self._window
+
+    @window.setter
+    def window(self, tokens: int | None) -> None:
+        """Set before requests run (a benchmark's variant): what the drafter has read stays as read."""
+        self._window = tokens
+        if self.runner is not None:
+            self.runner.window = tokens
 
     def unseen_tokens(self, request) -> int:
         """Tokens to feed before drafting for ``request``: 1 when caught up, its whole prompt when new
@@ -92,6 +106,7 @@ class DraftModelProposer(Proposer):
 
     def allocate_kv(self, num_slots: int) -> None:
         self.runner = ModelRunner(self.model, num_slots, self.ctx.block_size, self.kv_dtype, self.ctx.device)
+        self.runner.window = self._window
 
     def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
         """Up to ``k_caps[i]`` drafts per decode, one drafter pass per position over the rows still
