@@ -7,6 +7,8 @@ text (results/RESULTS.md, "n-gram drafts take plain decoding's draws"):
 - each with the drafter's whole head and with it cut to the first ``--draft-vocab-size`` ids (the
   pair's config), and the share of sampled tokens that lie beyond the cut (never draftable);
 - with ``--draft-quantization``, for the drafter's weights re-quantized at load (int4, int8);
+- with ``--context-ids``, with the cut head widened by the ids already in each request's context
+  (its prompt and output so far): what a head that also scores a request's own rare tokens keeps;
 - with ``--draft-context-windows``, for a drafter that sees only the context's first 4 tokens and its
   last W (``draft_context_window``, a sliding window), by rejection sampling with the cut head;
 - with ``--draft-scales``, by rejection sampling from the cut head's distribution sharpened or
@@ -68,6 +70,7 @@ def main() -> None:
     p.add_argument(
         "--draft-quantization", default="auto", help="the drafter's --quantization (auto, int8, int4)"
     )
+    p.add_argument("--context-ids", action="store_true", help="the cut head plus the context's own ids")
     p.add_argument("--draft-context-windows", default="", help="e.g. 64,256: sliding windows to compare")
     args = p.parse_args()
     target = engine_for(args.model)
@@ -102,6 +105,21 @@ def main() -> None:
         print(
             f"{name}: kept by rejection sampling {rejection / n:.3f}, by the shared uniform "
             f"{shared / n:.3f} ({shared / rejection:.3f}x)"
+        )
+    if args.context_ids:
+        kept_sum, extra = 0.0, 0
+        for (prompt, output), pt, q in zip(texts, ps, qs):
+            allowed = torch.zeros(q.shape[-1], dtype=torch.bool)
+            allowed[:cut] = True
+            allowed[prompt] = True
+            for t in range(len(output)):
+                qt = torch.where(allowed, q[t], 0.0)
+                kept_sum += float(torch.minimum(pt[t], qt / qt.sum()).sum())
+                extra += int(allowed[cut:].sum())
+                allowed[output[t]] = True
+        print(
+            f"draft head cut to {cut} plus the context's ids: kept by rejection sampling "
+            f"{kept_sum / len(sampled):.3f} ({extra / len(sampled):.0f} ids beyond the cut on average)"
         )
     for window in [int(x) for x in args.draft_context_windows.split(",") if x.strip()]:
         drafter.runner.window = window

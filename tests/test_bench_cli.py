@@ -71,6 +71,8 @@ def test_bench_spec_tiny(tmp_path, target_dir):
             "2",
             "--draft-vocab-size",
             "0",
+            "--draft-context-window",
+            "0",
             "--dtype",
             "float32",
             "--result-file",

@@ -50,13 +50,20 @@ def test_json_string_dict_and_file(tmp_path):
         ({"hysteresis_steps": 0}, "hysteresis_steps"),
         ({"draft_quantization": "int3"}, "draft_quantization"),
         ({"draft_vocab_size": 0}, "draft_vocab_size"),
-        ({"draft_context_window": 0}, "draft_context_window"),
+        ({"draft_context_window": -1}, "draft_context_window"),
         ({"colour": "blue"}, "colour"),
     ],
 )
 def test_malformed_field_is_named(change, field):
     with pytest.raises(ValueError, match=f"^speculative_config.{field}:"):
         SpeculativeConfig.parse({**GOOD, **change})
+
+
+def test_a_draft_model_sees_a_256_token_window_unless_told_otherwise():
+    assert SpeculativeConfig.parse(GOOD).context_window == 256
+    assert SpeculativeConfig.parse({**GOOD, "draft_context_window": 64}).context_window == 64
+    assert SpeculativeConfig.parse({**GOOD, "draft_context_window": 0}).context_window is None
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).context_window is None
 
 
 def test_ngram_rules():

@@ -53,8 +53,8 @@ def add_parser(sub) -> None:
         "--draft-context-window",
         type=int,
         default=None,
-        help="also run every speculative configuration with this draft_context_window (named '... w=N'), "
-        "on the same engine",
+        help="also run every speculative configuration with this draft_context_window (named '... w=N'; "
+        "0: the whole context, '... w=all'), on the same engine",
     )
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--rollout-seed", type=int, default=0, help="lengths and per-request sampling seeds")
@@ -203,14 +203,16 @@ def run(args: argparse.Namespace) -> int:
     max_k = max([*fixed_ks, profile.max_num_speculative_tokens if profile else 1])
     policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
     window = args.draft_context_window
-    if window is not None and (spec.method != "draft_model" or window < 1):
-        raise ValueError("--draft-context-window: a positive token count, for method draft_model only")
+    if window is not None and (spec.method != "draft_model" or window < 0):
+        raise ValueError(
+            "--draft-context-window: a token count (0: the whole context), for method draft_model only"
+        )
     # config name -> (K policy factory, the drafter's context window); "none" runs on an engine
     # without a drafter, the rest share one, whose window is set before each run
-    windows = [spec.draft_context_window] + ([window] if window else [])
+    windows = [spec.context_window] + ([window or None] if window is not None else [])
     plan = {"none": (None, None)} | {
-        name + (f" w={w}" if w != windows[0] else ""): (factory, w)
-        for w in windows
+        name + (f" w={w or 'all'}" if i else ""): (factory, w)
+        for i, w in enumerate(windows)
         for name, factory in policies.items()
     }
     configs = list(plan)

