@@ -25,9 +25,12 @@ def engine_for(args, k: int) -> Engine:
     if k:
         with open(args.spec) as f:
             spec = json.load(f) | {"num_speculative_tokens": k}
-    return Engine(
+    engine = Engine(
         EngineConfig(model=args.model, speculative_config=spec, progress=False, kv_cache_memory_gb=1.0)
     )
+    if k and args.bare_cut:
+        engine.proposer.head_rows = None  # the cut head alone, without the context's own ids
+    return engine
 
 
 def step_times(engine: Engine, args, context: int, temperature: float) -> list[tuple[float, float, float]]:
@@ -57,6 +60,7 @@ def main() -> None:
     p.add_argument("--ks", default="0,1,3,5")
     p.add_argument("--contexts", default="200,2000", help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--bare-cut", action="store_true", help="a cut drafter head scores no context ids")
     p.add_argument("--out", default="", help="JSON file")
     args = p.parse_args()
     rows, results = [], []

@@ -1,6 +1,7 @@
 """Speculative decoding is lossless: greedy output equals plain greedy output token for token."""
 
 import pytest
+import torch
 from test_engine import PROMPTS, make_engine, run_alone, run_staggered
 
 from dynaspec import SamplingParams
@@ -297,3 +298,73 @@ def test_a_windowed_drafter_drafts_from_the_first_tokens_and_the_window(target_d
             reference.step()
         assert drafts and drafts == expected.output_token_ids
     assert skips == 2
+
+
+def _spy_drafts(engine, check):
+    """Wrap the proposer so ``check(plan, drafts)`` sees every step's drafts."""
+    propose = engine.proposer.propose
+
+    def spy(plan, sampling):
+        drafts = propose(plan, sampling)
+        check(plan, drafts)
+        return drafts
+
+    engine.proposer.propose = spy
+
+
+def test_a_cut_head_also_drafts_the_context_s_own_ids(tiny_dir):
+    """A tied model drafting for itself with its head cut to half the vocabulary: a target token
+    beyond the cut can be drafted only if the request's context holds it. Scoring those ids keeps
+    more drafts than the bare cut, every draft beyond the cut was in its request's context, and
+    greedy output equals plain decoding either way."""
+    tied = tiny_dir(arch="qwen2", seed=3, num_layers=2, tie=True)
+    cut = 192
+    spec = {"method": "draft_model", "model": str(tied), "num_speculative_tokens": 3, "draft_vocab_size": cut}
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain_out = run_alone(tied, PROMPTS, params)
+    rates = {}
+    for widen in (True, False):
+        engine = spec_engine(tied, spec)
+        if not widen:
+            engine.proposer.head_rows = None  # the bare cut
+        beyond = []  # per draft beyond the cut: whether its request's context held it
+
+        def check(plan, drafts, beyond=beyond):
+            for i, r in enumerate(plan.decodes):
+                context = set(r.token_at(0, r.num_tokens))
+                row = drafts.token_ids[i, : drafts.draft_lens[i]].tolist()
+                beyond.extend(t in context for t in row if t >= cut)
+
+        _spy_drafts(engine, check)
+        assert run_staggered(engine, PROMPTS, params) == plain_out
+        rates[widen] = engine.stats()["spec"]["acceptance_rate"]
+        assert (beyond and all(beyond)) if widen else not beyond
+    assert rates[True] > rates[False]
+
+
+def test_a_widened_cut_head_hands_verification_a_distribution_on_its_ids(tiny_dir):
+    """Sampled: each draft's q sums to 1 and lies on the cut and the request's context ids only,
+    with mass beyond the cut (rejection sampling then keeps the target's distribution for any q:
+    test_rejection.py)."""
+    tied = tiny_dir(arch="qwen2", seed=3, num_layers=2, tie=True)
+    cut = 192
+    spec = {"method": "draft_model", "model": str(tied), "num_speculative_tokens": 2, "draft_vocab_size": cut}
+    engine = spec_engine(tied, spec)
+    beyond_mass = []
+
+    def check(plan, drafts):
+        if drafts.probs is None:  # K = 0 this step
+            return
+        for i, r in enumerate(plan.decodes):
+            allowed = torch.zeros(drafts.probs.shape[-1], dtype=torch.bool)
+            allowed[:cut] = True
+            allowed[r.token_at(0, r.num_tokens)] = True
+            for q in drafts.probs[i, : drafts.draft_lens[i]]:
+                assert abs(float(q.sum()) - 1.0) < 1e-4
+                assert float(q[~allowed].sum()) == 0.0
+                beyond_mass.append(float(q[cut:].sum()))
+
+    _spy_drafts(engine, check)
+    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True, seed=0)
+    run_staggered(engine, PROMPTS, params)
+    assert beyond_mass and max(beyond_mass) > 0.01

@@ -86,8 +86,10 @@ class ModelRunner:
             at += n + len(rows)
         return TargetLogits(out, prompts)
 
-    def run(self, runs: list[TokenRun]) -> torch.Tensor:  # [sum(len(r.logit_rows)), vocab] float32
-        """One forward pass over all runs; logits for the requested rows, in run order."""
+    def run(self, runs: list[TokenRun], hidden: bool = False) -> torch.Tensor:
+        """One forward pass over all runs; logits for the requested rows, in run order
+        ([sum(len(r.logit_rows)), vocab] float32), or with ``hidden`` the final hidden states the
+        head would read ([rows, hidden_size])."""
         ids, positions, rows = [], [], []
         for r in runs:
             rows.extend(len(ids) + o for o in r.logit_rows)
@@ -102,11 +104,12 @@ class ModelRunner:
             rowwise=self.rowwise,
             window=self.window,
         )
-        hidden = self.model(
+        states = self.model(
             torch.tensor(ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.kv_caches,
             meta,
         )
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows_t))
+        picked = states.index_select(0, rows_t)
+        return picked if hidden else self.model.compute_logits(picked)
