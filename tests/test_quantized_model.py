@@ -233,3 +233,19 @@ def test_unsupported_block_type_names_tensor_and_type(ggufs, tmp_path):
     writer.close()
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*IQ4_NL"):
         Engine(EngineConfig(model=str(path), progress=False))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_cut_head_keeps_its_other_rows_readable(ggufs, arch):
+    """A drafter's head cut to its first rows still reads any other row exactly (the file's rows in
+    place for llama's own head, the embedding for qwen2's tied one): what a cut drafter scores a
+    request's own rare ids with."""
+    source = resolve_model(ggufs[arch], progress=False)
+    dense = load_model(source, "none", torch.float32, CPU)
+    vocab = dense.config.vocab_size
+    cut = load_model(source, "auto", torch.float32, CPU, head_rows=vocab // 2)
+    assert cut.lm_head(torch.zeros(1, dense.config.hidden_size)).shape[-1] == vocab // 2
+    assert dense.head_lookup is None  # a whole head has nothing to look up
+    ids = torch.tensor([vocab // 2, vocab - 1, vocab // 2 + 7])
+    expected = dense.lm_head.weight[ids].float()
+    torch.testing.assert_close(cut.head_lookup(ids).float(), expected, rtol=0, atol=0)

@@ -186,6 +186,10 @@ def build_model(
         if rows < config.vocab_size:
             keep = torch.arange(rows)
             head = select_rows(head, keep) if isinstance(head, GroupedWeight) else head[:rows].clone()
+            if config.tie_word_embeddings:
+                model.head_lookup = model.model.embed_tokens
+            elif (raw_head := checkpoint.embedding_rows(head_name)) is not None:
+                model.head_lookup = QuantEmbedding(*raw_head, dtype=dtype)
         model.lm_head = build_linear([(head_name, head, None)], mode, dtype, device)
 
     def build_layer(i: int) -> None:

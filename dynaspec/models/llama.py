@@ -208,6 +208,9 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._stack = None  # DecoderStack, False (not possible) or None (not built yet)
+        # a head cut to its first rows (a drafter's) keeps the rest readable here, row by row, where
+        # that costs no memory: ids -> [n, hidden] (the tied embedding, or the file's rows in place)
+        self.head_lookup: nn.Module | None = None
 
     # run the decoder stack as one C++ call where it can (`_decoder_stack`); False: always the modules
     use_stack = True
