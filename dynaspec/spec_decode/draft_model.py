@@ -19,8 +19,8 @@ A head cut to the first ``draft_vocab_size`` ids can never propose the rest, yet
 rare tokens (its identifiers, its language's words) recur in it. Where the cut rows stay readable
 (``head_lookup``: a tied embedding, or a GGUF head's rows in place) the drafter also scores, for
 each request, the ids beyond the cut that its context holds: their head rows, read once when first
-seen, dotted with the hidden state (on 1024-token sampled code outputs, 27 ids
-a request on average raise the drafts kept from 0.801 to 0.844; the whole head keeps 0.872).
+seen, dotted with the hidden state (on 1024-token sampled code outputs, 27 ids a request on
+average raise the drafts kept from 0.801 to 0.844; the whole head keeps 0.872).
 
 Drafts may get worse; verification keeps the output lossless either way.
 """
@@ -45,7 +45,7 @@ from dynaspec.spec_decode.proposer import Proposer, ProposerContext, register_pr
 
 @dataclass(slots=True)
 class ContextVocab:
-    """A request's ids beyond the drafter's cut head, with the embedding rows that score them."""
+    """A request's ids beyond the drafter's cut head, with the head rows that score them."""
 
     ids: torch.Tensor  # [n] int64
     rows: torch.Tensor  # [n, hidden] float32
