@@ -57,6 +57,13 @@ def kept(p: torch.Tensor, q: torch.Tensor) -> tuple[float, float]:
     return float(torch.minimum(p, q).sum()), float(overlap)
 
 
+def cut_head(q: torch.Tensor, cut: int) -> torch.Tensor:
+    """q as a head cut to its first ``cut`` ids would give it: the rest zeroed, renormalized."""
+    q = q.clone()
+    q[:, cut:] = 0.0
+    return q / q.sum(-1, keepdim=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -95,11 +102,7 @@ def main() -> None:
     for name, head in (("whole draft head", None), (f"draft head cut to {cut}", cut)):
         rejection = shared = 0.0
         for pt, q in zip(ps, qs):
-            if head is not None:
-                q = q.clone()
-                q[:, head:] = 0.0
-                q /= q.sum(-1, keepdim=True)
-            a, b = kept(pt, q)
+            a, b = kept(pt, q if head is None else cut_head(q, head))
             rejection, shared = rejection + a, shared + b
         n = len(sampled)
         print(
@@ -125,9 +128,7 @@ def main() -> None:
         drafter.runner.window = window
         kept_sum = 0.0
         for pt, q in zip(ps, probabilities(drafter, texts)):
-            q[:, cut:] = 0.0
-            q /= q.sum(-1, keepdim=True)
-            kept_sum += kept(pt, q)[0]
+            kept_sum += kept(pt, cut_head(q, cut))[0]
         drafter.runner.window = None
         kept_rate = kept_sum / len(sampled)
         print(f"draft head cut to {cut}, context window {window}: kept by rejection sampling {kept_rate:.3f}")

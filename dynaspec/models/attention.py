@@ -75,18 +75,8 @@ def build_attention_metadata(
     slots = [_slots(table, block_size, c) for c, table in zip(ctx_lens, block_tables)]  # [c] each
     slot_mapping = np.concatenate([s[c - q :] for s, q, c in zip(slots, q_lens, ctx_lens)])
     if rowwise:
-        if window is not None and any(c > SINK_TOKENS + window for c in ctx_lens):
-            plan = _windowed_rows(slots, q_lens, ctx_lens, window)
-        else:
-            table = np.zeros((len(slots), max(ctx_lens)), dtype=np.int64)
-            for i, s in enumerate(slots):
-                table[i, : len(s)] = s
-            row_seq = np.repeat(np.arange(len(q_lens), dtype=np.int64), q_lens)
-            row_len = np.concatenate(
-                [np.arange(c - q + 1, c + 1, dtype=np.int64) for q, c in zip(q_lens, ctx_lens)]
-            )
-            plan = RowwisePlan(*(torch.from_numpy(a) for a in (table, row_seq, row_len)))
-        plan = RowwisePlan(*(t.to(device) for t in (plan.slot_table, plan.row_seq, plan.row_len)))
+        arrays = _rowwise_tables(slots, q_lens, ctx_lens, window)
+        plan = RowwisePlan(*(torch.from_numpy(a).to(device) for a in arrays))
         return AttentionMetadata(torch.from_numpy(slot_mapping).to(device), [], None, plan)
 
     starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
@@ -141,35 +131,30 @@ def build_attention_metadata(
     )
 
 
-def _windowed_rows(
-    slots: list[np.ndarray], q_lens: list[int], ctx_lens: list[int], window: int
-) -> RowwisePlan:
-    """The row-wise plan for a sliding window: a sequence the window cuts gets a table row per
-    query row (its sinks, then its last ``window`` keys up to that row), so each row reads only
-    what it sees; the others keep one table row shared by their rows."""
+def _rowwise_tables(
+    slots: list[np.ndarray], q_lens: list[int], ctx_lens: list[int], window: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(slot table, row_seq, row_len) of the row-wise plan. A sequence shares one table row among
+    its rows; one that a sliding window cuts gets a table row per query row instead (its sinks,
+    then its last ``window`` keys up to that row), so each row reads only what it sees."""
     tables: list[np.ndarray] = []
     row_seq: list[int] = []
     row_len: list[int] = []
     for s, q, c in zip(slots, q_lens, ctx_lens):
-        if c <= SINK_TOKENS + window:
+        if window is None or c <= SINK_TOKENS + window:
             tables.append(s)
             row_seq += [len(tables) - 1] * q
             row_len += range(c - q + 1, c + 1)
             continue
         for p in range(c - q, c):  # the row at position p
             lo = max(SINK_TOKENS, p + 1 - window)
-            seen = np.concatenate([s[: min(SINK_TOKENS, p + 1)], s[lo : p + 1]])
-            tables.append(seen)
+            tables.append(np.concatenate([s[: min(SINK_TOKENS, p + 1)], s[lo : p + 1]]))
             row_seq.append(len(tables) - 1)
-            row_len.append(len(seen))
+            row_len.append(len(tables[-1]))
     table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
     for i, t in enumerate(tables):
         table[i, : len(t)] = t
-    return RowwisePlan(
-        torch.from_numpy(table),
-        torch.tensor(row_seq, dtype=torch.long),
-        torch.tensor(row_len, dtype=torch.long),
-    )
+    return table, np.asarray(row_seq, dtype=np.int64), np.asarray(row_len, dtype=np.int64)
 
 
 def _slots(
