@@ -75,7 +75,9 @@ def main() -> None:
     p.add_argument("--draft-vocab-size", type=int, default=32768)
     p.add_argument("--draft-scales", default="", help="e.g. 1.0,0.8: draft / request temperature")
     p.add_argument(
-        "--draft-quantization", default="auto", help="the drafter's --quantization (auto, int8, int4)"
+        "--draft-quantization",
+        default="int4",
+        help="the drafter's --quantization (auto, none, int8, int4; int4 is the engine's default on the CPU)",
     )
     p.add_argument("--context-ids", action="store_true", help="the cut head plus the context's own ids")
     p.add_argument("--draft-context-windows", default="", help="e.g. 64,256: sliding windows to compare")

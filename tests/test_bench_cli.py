@@ -73,6 +73,8 @@ def test_bench_spec_tiny(tmp_path, target_dir):
             "0",
             "--draft-context-window",
             "0",
+            "--draft-quantization",
+            "none",  # the target's own weights, so that it drafts exactly what it verifies
             "--dtype",
             "float32",
             "--result-file",

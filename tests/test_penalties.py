@@ -38,7 +38,13 @@ def test_penalties_change_the_output(target_dir, plain):
     "spec",
     [
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-        {"method": "draft_model", "model": "TARGET", "num_speculative_tokens": 4},
+        # the target drafting for itself, in its own weights (a CPU drafter's default is 4 bits)
+        {
+            "method": "draft_model",
+            "model": "TARGET",
+            "num_speculative_tokens": 4,
+            "draft_quantization": "auto",
+        },
         {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 3},
     ],
 )

@@ -169,6 +169,9 @@ def test_the_hot_path_follows_the_buffers_when_they_move() -> None:
 def test_kernel_streams_the_smallest_exact_scales() -> None:
     kinds = ("q4_affine", "gguf_q4_k", "gguf_q6_k", "gguf_q8_0", "gguf_q5_0", "gguf_q5_1")
     layers = {kind: QuantLinear(_weight(kind), path="vnni") for kind in kinds}
+    dense = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
+    for bits in (4, 8):  # re-quantized at load: float16 scales alone, 4.5 and 8.5 bits a weight
+        layers[f"int{bits}"] = QuantLinear(quantize_dense(dense, bits), path="vnni")
     assert {kind: layer.impl.mode for kind, layer in layers.items()} == {
         "q4_affine": SCALE_F32,
         "gguf_q4_k": SCALE_SUPER,
@@ -176,6 +179,8 @@ def test_kernel_streams_the_smallest_exact_scales() -> None:
         "gguf_q8_0": SCALE_F16_SYM,
         "gguf_q5_0": SCALE_F16_SYM,
         "gguf_q5_1": SCALE_F16,
+        "int4": SCALE_F16_SYM,
+        "int8": SCALE_F16_SYM,
     }
     # one field a group for the symmetric types: Q8_0 streams 2 bytes of scale per 32 codes
     impl = layers["gguf_q8_0"].impl
@@ -184,11 +189,20 @@ def test_kernel_streams_the_smallest_exact_scales() -> None:
 
 def test_quantize_dense_round_trips() -> None:
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
-    for bits, tol in ((4, 0.5 / 15), (8, 0.5 / 127)):
+    for bits in (4, 8):
         q = quantize_dense(w, bits)
-        span = w.view(64, 8, 32).abs().amax(-1) * 2  # per group: max - min <= 2 max|w|
-        err = (q.dequantize() - w).abs().view(64, 8, 32).amax(-1)
-        assert (err <= span * tol * 1.001 + 1e-7).all()
+        assert q.offsets is None and q.codes.dtype == torch.int8  # symmetric, as Q4_0 and Q8_0
+        assert torch.equal(q.scales.half().float(), q.scales)  # float16 scales
+        half = 2 ** (bits - 1)
+        assert q.codes.min() >= -half and q.codes.max() <= half - 1
+        # half a step from the value, but for the end the clamp cuts one code short (4 bits)
+        step = q.scales.abs()[..., None] * (0.5 if bits == 8 else 1.0)  # Q4_0-style d may be negative
+        err = (q.dequantize() - w).abs().view(64, 8, 32)
+        assert (err <= step * 1.001 + 1e-7).all()
+        assert (err <= q.scales.abs()[..., None] * 0.5 * 1.001 + 1e-7).float().mean() > 0.99
+        # the group's value of largest magnitude is kept to float16's rounding of its scale
+        biggest = w.view(64, 8, 32).abs().amax(-1)
+        assert torch.allclose(q.dequantize().view(64, 8, 32).abs().amax(-1), biggest, rtol=1e-3)
 
 
 def test_from_parts_and_leading_dims() -> None:

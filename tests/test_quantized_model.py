@@ -178,8 +178,8 @@ def test_quantized_greedy_speculation_is_lossless(ggufs, method):
         outputs[name] = [r.output_token_ids for r in requests]
         if config:
             assert engine.stats()["spec"]["num_accepted_tokens"] > 0
-            if method == "draft_model":
-                assert engine.proposer.model.quantization == "gguf"
+            if method == "draft_model":  # the drafter's default on the CPU: 4 bits at load
+                assert engine.proposer.model.quantization == "int4"
     assert outputs["spec"] == outputs["plain"]
 
 
@@ -194,15 +194,14 @@ def test_quantization_at_load_of_a_dense_checkpoint(target_dir):
         EngineConfig(model=str(target_dir), quantization="int3")
 
 
-def test_draft_quantization_key_still_works(ggufs):
-    spec = {
-        "method": "draft_model",
-        "model": ggufs["draft"],
-        "num_speculative_tokens": 2,
-        "draft_quantization": "int8",
-    }
+@pytest.mark.parametrize(("key", "drafter"), [("int8", "int8"), ("auto", "gguf"), (None, "int4")])
+def test_draft_quantization_key(ggufs, key, drafter):
+    """draft_quantization picks the drafter's form; without it a CPU drafter runs in 4 bits."""
+    spec = {"method": "draft_model", "model": ggufs["draft"], "num_speculative_tokens": 2}
+    if key is not None:
+        spec["draft_quantization"] = key
     engine = Engine(EngineConfig(model=ggufs["qwen2"], speculative_config=spec, progress=False))
-    assert engine.quantization == "gguf" and engine.proposer.model.quantization == "int8"
+    assert engine.quantization == "gguf" and engine.proposer.model.quantization == drafter
 
 
 def test_unsupported_block_type_names_tensor_and_type(ggufs, tmp_path):

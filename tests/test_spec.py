@@ -53,9 +53,8 @@ def test_per_batch_size_table_equals_plain_and_k_follows_batch_size(target_dir, 
 
 def test_draft_equal_to_target_accepts_almost_everything(target_dir):
     k = 4
-    engine = spec_engine(
-        target_dir, {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": k}
-    )
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": k}
+    engine = spec_engine(target_dir, spec | {"draft_quantization": "auto"})  # the target's own weights
     # 1 token from prefill + 20 steps of k + 1: no step is cut short by max_tokens
     params = SamplingParams(max_tokens=1 + 20 * (k + 1), temperature=0.0, ignore_eos=True)
     run_staggered(engine, PROMPTS, params, arrive_every=1)
@@ -254,7 +253,7 @@ def test_a_windowed_drafter_drafts_from_the_first_tokens_and_the_window(target_d
 
     window = 6
     spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 2}
-    engine = spec_engine(target_dir, spec | {"draft_context_window": window})
+    engine = spec_engine(target_dir, spec | {"draft_context_window": window, "draft_quantization": "auto"})
     proposer = engine.proposer
     steps = []  # (context, tokens the drafter had read, drafts)
     propose = proposer.propose

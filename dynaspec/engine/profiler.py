@@ -342,7 +342,7 @@ def auto_profile_key(engine: Engine, spec: SpeculativeConfig) -> dict:
         "target": _model_id(engine.config.model),
         "drafter": _model_id(spec.model) if spec.model else spec.method,
         "draft_vocab_size": spec.draft_vocab_size,
-        "draft_quantization": spec.draft_quantization,
+        "draft_quantization": spec.drafter_quantization(engine.device.type, engine.config.quantization),
         "quantization": engine.quantization,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),

@@ -19,6 +19,10 @@ TABLE = "num_speculative_tokens_per_batch_size"
 # a draft model's window when the config names none: acceptance on long code outputs 0.788 against
 # the whole context's 0.801, for a drafter pass that no longer grows with the context
 DEFAULT_DRAFT_CONTEXT_WINDOW = 256
+# a draft model's --quantization on the CPU when the config names none: round to nearest in 4 bits
+# at load (4.5 bits a weight): the pair's drafter pass streams 22% fewer bytes (8.3 -> 6.8 ms at one
+# row), for drafts kept 0.856 against 0.871 of the file's own Q5_0/Q8_0
+DEFAULT_DRAFT_QUANTIZATION = "int4"
 
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=True))
@@ -37,7 +41,8 @@ class SpeculativeConfig:
     # a decode stops drafting where the drafter's top probability is below this; "auto" (the default
     # with a profile): tuned from what the target accepted; without a profile the default is 0 (never)
     draft_confidence_threshold: float | Literal["auto"] | None = None
-    # the drafter's --quantization (default: the target's); drafts only, so any choice stays lossless
+    # the drafter's --quantization (default: int4 on the CPU, else the target's); drafts only, so any
+    # choice stays lossless
     draft_quantization: Literal["auto", "none", "int8", "int4"] | None = None
     draft_vocab_size: int | None = Field(
         default=None, ge=1
@@ -54,6 +59,16 @@ class SpeculativeConfig:
             return None
         window = self.draft_context_window
         return DEFAULT_DRAFT_CONTEXT_WINDOW if window is None else (window or None)
+
+    def drafter_quantization(self, device_type: str, target: str) -> str | None:
+        """The drafter's --quantization: draft_quantization; else int4 on the CPU (drafts need only
+        be likely, and a 4-bit drafter's passes are cheaper); else the target's (``target``). None
+        without a drafter."""
+        if self.method != "draft_model":
+            return None
+        if self.draft_quantization is not None:
+            return self.draft_quantization
+        return DEFAULT_DRAFT_QUANTIZATION if device_type == "cpu" else target
 
     @field_validator(TABLE)
     @classmethod

@@ -63,9 +63,9 @@ class DraftModelProposer(Proposer):
                 f"speculative_config.model: the draft model {spec_config.model!r} uses a different "
                 "tokenizer from the target's; draft and target must share a vocabulary"
             )
-        # the drafter loads like the target, in the target's --quantization unless
-        # draft_quantization says otherwise (drafts may be anything: verification keeps outputs lossless)
-        quantization = spec_config.draft_quantization or ctx.quantization
+        # drafts may be anything (verification keeps outputs lossless): 4 bits on the CPU unless
+        # draft_quantization says otherwise
+        quantization = spec_config.drafter_quantization(ctx.device.type, ctx.quantization)
         mode = effective_quantization(quantization, source.is_gguf, ctx.device)
         self.dtype, self.kv_dtype = compute_dtypes(ctx.dtype_flag, mode)
         self.model = load_model(
