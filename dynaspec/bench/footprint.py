@@ -50,6 +50,11 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="'' to skip the pair")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
+    p.add_argument(
+        "--draft-quantizations",
+        default="",
+        help="e.g. int4,auto: a pair configuration per draft_quantization (default: the engine's)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-llamacpp", action="store_true")
     p.add_argument("--result-file", default="results/bench_footprint.json")
@@ -66,7 +71,10 @@ def run(args: argparse.Namespace) -> int:
     configs = [dict(base, engine="dynaspec", name="dynaspec target")]
     if args.draft:
         spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": 4}
-        configs.append(dict(base, engine="dynaspec", name="dynaspec target + drafter", spec=spec))
+        for q in [q for q in args.draft_quantizations.split(",") if q] or [None]:
+            named = spec if q is None else dict(spec, draft_quantization=q)
+            name = "dynaspec target + drafter" + ("" if q is None else f" ({q})")
+            configs.append(dict(base, engine="dynaspec", name=name, spec=named))
     if not args.no_llamacpp and llamacpp.reference_file(args.model) is not None:
         configs.append(dict(base, engine="llama.cpp", name="llama.cpp", threads=torch.get_num_threads()))
     samples: dict[str, list[tuple[float, int]]] = {c["name"]: [] for c in configs}
