@@ -248,3 +248,20 @@ def test_a_cut_head_keeps_its_other_rows_readable(ggufs, arch):
     ids = torch.tensor([vocab // 2, vocab - 1, vocab // 2 + 7])
     expected = dense.lm_head.weight[ids].float()
     torch.testing.assert_close(cut.head_lookup(ids).float(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_requantizing_a_slice_of_rows_at_a_time_changes_nothing(monkeypatch, mode):
+    """Re-quantizing at load goes a few rows at a time (so a whole LM head is never float32 at
+    once); every row's codes and scale are those of quantizing the whole weight."""
+    from dynaspec.models import build
+    from dynaspec.models.qlinear import quantize_dense
+
+    dense = torch.randn(10, 64, generator=torch.Generator().manual_seed(7))
+    blocks = quantize_dense(dense, 8)  # a GGUF-like source: codes and scales
+    bits = 4 if mode == "int4" else 8
+    monkeypatch.setattr(build, "REQUANTIZE_ROWS", 3)  # 10 rows: slices of 3, 3, 3 and 1
+    for source, values in ((dense, dense), (blocks, blocks.dequantize())):
+        sliced, whole = build._convert(source, mode, "w"), quantize_dense(values, bits)
+        assert torch.equal(sliced.codes, whole.codes) and torch.equal(sliced.scales, whole.scales)
+        assert sliced.offsets is None and sliced.bits == bits

@@ -33,6 +33,7 @@ from dynaspec.models.qlinear import QuantLinear, quantize_dense
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DENSE_GROUP = 32  # group size of int8/int4 quantization at load
+REQUANTIZE_ROWS = 4096  # output rows re-quantized at a time
 
 
 def effective_quantization(quantization: str, is_gguf: bool, device: torch.device) -> str:
@@ -84,12 +85,22 @@ def _convert(weight: GroupedWeight | torch.Tensor, mode: str, name: str) -> Grou
     """One weight in the form `mode` keeps: dense, the file's blocks, or re-quantized at load."""
     if mode == "gguf":
         return weight
-    dense = weight.dequantize() if isinstance(weight, GroupedWeight) else weight
     if mode == "none":
-        return dense
-    if dense.shape[1] % DENSE_GROUP:
-        raise ValueError(f"{name}: {mode} quantizes groups of {DENSE_GROUP}; in_features is {dense.shape[1]}")
-    return quantize_dense(dense, 8 if mode == "int8" else 4, DENSE_GROUP)
+        return weight.dequantize() if isinstance(weight, GroupedWeight) else weight
+    n_out, n_in = weight.shape
+    if n_in % DENSE_GROUP:
+        raise ValueError(f"{name}: {mode} quantizes groups of {DENSE_GROUP}; in_features is {n_in}")
+    # a slice of rows at a time, so that the float32 copies stay small beside the weight (a
+    # drafter's whole 151936-row head is 545 MB in float32, and rounding it takes several copies)
+    parts = []
+    for start in range(0, n_out, REQUANTIZE_ROWS):
+        rows = torch.arange(start, min(start + REQUANTIZE_ROWS, n_out))
+        if isinstance(weight, GroupedWeight):
+            dense = select_rows(weight, rows).dequantize()
+        else:
+            dense = weight[rows]
+        parts.append(quantize_dense(dense, 8 if mode == "int8" else 4, DENSE_GROUP))
+    return concat_rows(parts)
 
 
 def build_linear(
