@@ -20,8 +20,8 @@ TABLE = "num_speculative_tokens_per_batch_size"
 # the whole context's 0.801, for a drafter pass that no longer grows with the context
 DEFAULT_DRAFT_CONTEXT_WINDOW = 256
 # a draft model's --quantization on the CPU when the config names none: round to nearest in 4 bits
-# at load (4.5 bits a weight): the pair's drafter pass streams 22% fewer bytes (8.3 -> 6.8 ms at one
-# row), for drafts kept 0.856 against 0.871 of the file's own Q5_0/Q8_0
+# at load (4.5 bits a weight): the pair's drafter pass streams 22% fewer bytes (8.5 -> 6.9 ms at one
+# row), for drafts kept 0.831 against 0.844 with the file's own Q5_0/Q8_0 (long sampled code)
 DEFAULT_DRAFT_QUANTIZATION = "int4"
 
 
