@@ -2,14 +2,13 @@
 # Optional: llama.cpp (llama-cpp-python) as the reference engine of `dynaspec bench decode|spec|
 # footprint|perplexity`, built from source for this CPU (10-30 minutes on 2 cores, once: pip keeps
 # the wheel in its cache). Never needed by the test suite.
-# AVX-512 and VNNI on, AMX off: llama-cpp-python 0.3.36 built with AMX crashed in llama_decode on
-# the development machine, while its AVX-512 weight repacking (its fastest path there) works.
+# Built for this CPU's vector extensions (GGML_NATIVE), AMX off: llama-cpp-python 0.3.36 built
+# with AMX crashed in llama_decode on an AMX machine, while its AVX-512 weight repacking (its
+# fastest path there) works.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
-export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
--DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
--DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
--DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF}"
+export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 .venv/bin/python -m pip install -e ".[llamacpp]"

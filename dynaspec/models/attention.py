@@ -199,6 +199,7 @@ def paged_attention(
         if q_max <= SHORT_QUERY_MAX:
             out = _short_query_attention(qg, kg, vg, g.mask)
         else:
+            kg, vg = kg.to(q.dtype), vg.to(q.dtype)  # a float32 query over a bfloat16 cache
             out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b * q_max, *q.shape[1:])
         outputs.append(out.index_select(0, g.valid_index))  # [valid_tokens, heads, head_dim]

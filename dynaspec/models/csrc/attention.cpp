@@ -128,6 +128,7 @@ void attend_block_scalar(const float* q, const T* kc, const T* vc, const int64_t
   }
 }
 
+#if defined(__AVX512F__)
 // --- head sizes a multiple of 16: AVX-512 ------------------------------------------------------------
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -311,6 +312,8 @@ void attend_block_avx512(const float* q, const T* kc, const T* vc, const int64_t
   }
 }
 
+#endif  // __AVX512F__
+
 template <typename T>
 void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t table_width,
             const int64_t* row_seq, const int64_t* row_len, float* out, int64_t rows, int64_t heads,
@@ -322,10 +325,13 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads, t0 = starts[b], nr = starts[b + 1] - t0;
       const int64_t* slots = table + row_seq[t0] * table_width;
-      if (d % 16 == 0)
+#if defined(__AVX512F__)
+      if (d % 16 == 0) {
         attend_block_avx512(q, kc, vc, slots, row_len + t0, t0, nr, h, heads, kv_heads, d, scale, scores, inv, out);
-      else
-        attend_block_scalar(q, kc, vc, slots, row_len + t0, t0, nr, h, heads, kv_heads, d, scale, scores, acc, inv,
+        continue;
+      }
+#endif
+      attend_block_scalar(q, kc, vc, slots, row_len + t0, t0, nr, h, heads, kv_heads, d, scale, scores, acc, inv,
                             out);
     }
   });

@@ -30,6 +30,17 @@
 
 #include "ops.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define DYNASPEC_AVX512_VNNI 1
+#else
+#define DYNASPEC_AVX512_VNNI 0
+#endif
+#if DYNASPEC_AVX512_VNNI && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define DYNASPEC_AMX 1
+#else
+#define DYNASPEC_AMX 0
+#endif
+
 namespace {
 
 constexpr int kLanes = 16;      // output columns per tile: one register of int32 or float
@@ -43,6 +54,50 @@ template <int G>
 inline int64_t xq_at(int64_t r, int64_t g, int64_t groups) {
   return ((r / kRowBlock) * groups + g) * kRowBlock * G + (r % kRowBlock) * G;
 }
+
+// How a tile's per-group scales and offsets are stored (the packer picks the smallest exact one):
+// float32 per group; float16 per group (the legacy GGUF types, whose d and m are f16); or the
+// K-quants' two levels, float32 (d, dmin) per super-block times int8 (sc, m) per group. The
+// symmetric types (Q4_0, Q5_0, Q8_0, Q6_K: codes centred on zero) store no offsets: theirs is
+// the scale times -2^(bits-1), which the kernel computes, exactly (a power of two), so a weight
+// streams a third or half fewer scale bytes and gives the same bits.
+enum ScaleMode : int64_t { kScaleF32 = 0, kScaleF16 = 1, kScaleSuper = 2, kScaleF16Sym = 3, kScaleSuperSym = 4 };
+
+constexpr int64_t scale_fields(int64_t mode) { return mode == kScaleF16Sym || mode == kScaleSuperSym ? 1 : 2; }
+
+struct ScaleTable {
+  const float* f32;     // kScaleF32: [tiles, groups, 2, 16]; kScaleSuper(Sym): [tiles, supers, 2 (1), 16]
+  const uint16_t* f16;  // kScaleF16(Sym): [tiles, groups, 2 (1), 16]
+  const int8_t* sub;    // kScaleSuper(Sym): [tiles, groups, 2 (1), 16]
+  int64_t groups;
+  int64_t super_groups;  // groups per super-block (kScaleSuper)
+  int64_t supers;        // super-blocks per tile (kScaleSuper)
+  float neg_shift;       // the symmetric modes' offset per unit of scale: -2^(bits-1)
+};
+
+// Bytes of one tile and group of packed codes. 4 bits: two steps per byte (step s in the low
+// nibble, step s + steps / 2 in the high one); 5 and 6 bits: those nibbles, then one 64-byte plane
+// holding each step's top bits (5 bits: bit s of each byte is step s's fifth bit; 6 bits: bits
+// 2s..2s+1 are step s's top two bits); 8 bits: one byte per code.
+template <int BITS, int G>
+constexpr int tile_bytes() {
+  return BITS == 8 ? kLanes * G : BITS == 4 ? kLanes * G / 2 : kLanes * G / 2 + 64;
+}
+
+// Weights stream from memory once per call, so each tile's codes are prefetched this many groups
+// ahead: a single core's loop otherwise waited on memory (rows=1 over 98 MB of Q4_K layers, 2
+// threads: 32 GB/s without, 42 with, against 46 for a plain sum over memory; 4 and 16 groups
+// ahead gave 39-41, 32 gave 35).
+constexpr int kPrefetchGroups = 8;
+
+template <int kBytes>
+inline void prefetch_group(const uint8_t* p) {
+  for (int line = 0; line < kBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
+
+// The ISA-specific half: AVX-512 VNNI (and AMX) where the compiler targets them, else AVX2
+// (qmatmul_avx2.h). Both read the same packed layout and give the same bits.
+#if DYNASPEC_AVX512_VNNI
 
 // x [rows, in] float32 -> xq (blocked int8 codes, see xq_at), xs [rows, groups] (the group's
 // scale), xc [rows, groups] (scale * sum of the group's codes, which the offsets multiply).
@@ -70,26 +125,6 @@ void quantize_rows(const float* x, int64_t rows, int64_t n_in, int8_t* xq, float
     }
   });
 }
-
-// How a tile's per-group scales and offsets are stored (the packer picks the smallest exact one):
-// float32 per group; float16 per group (the legacy GGUF types, whose d and m are f16); or the
-// K-quants' two levels, float32 (d, dmin) per super-block times int8 (sc, m) per group. The
-// symmetric types (Q4_0, Q5_0, Q8_0, Q6_K: codes centred on zero) store no offsets: theirs is
-// the scale times -2^(bits-1), which the kernel computes, exactly (a power of two), so a weight
-// streams a third or half fewer scale bytes and gives the same bits.
-enum ScaleMode : int64_t { kScaleF32 = 0, kScaleF16 = 1, kScaleSuper = 2, kScaleF16Sym = 3, kScaleSuperSym = 4 };
-
-constexpr int64_t scale_fields(int64_t mode) { return mode == kScaleF16Sym || mode == kScaleSuperSym ? 1 : 2; }
-
-struct ScaleTable {
-  const float* f32;     // kScaleF32: [tiles, groups, 2, 16]; kScaleSuper(Sym): [tiles, supers, 2 (1), 16]
-  const uint16_t* f16;  // kScaleF16(Sym): [tiles, groups, 2 (1), 16]
-  const int8_t* sub;    // kScaleSuper(Sym): [tiles, groups, 2 (1), 16]
-  int64_t groups;
-  int64_t super_groups;  // groups per super-block (kScaleSuper)
-  int64_t supers;        // super-blocks per tile (kScaleSuper)
-  float neg_shift;       // the symmetric modes' offset per unit of scale: -2^(bits-1)
-};
 
 // The int8 sub-scales of one group, widened to float32.
 inline __m512 sub_scales(const int8_t* p) {
@@ -131,15 +166,6 @@ inline __m512 epilogue(__m512 acc, __m512i dot, __m512 scale, __m512 offset, flo
   return _mm512_fmadd_ps(offset, _mm512_set1_ps(xc), acc);
 }
 
-// Bytes of one tile and group of packed codes. 4 bits: two steps per byte (step s in the low
-// nibble, step s + steps / 2 in the high one); 5 and 6 bits: those nibbles, then one 64-byte plane
-// holding each step's top bits (5 bits: bit s of each byte is step s's fifth bit; 6 bits: bits
-// 2s..2s+1 are step s's top two bits); 8 bits: one byte per code.
-template <int BITS, int G>
-constexpr int tile_bytes() {
-  return BITS == 8 ? kLanes * G : BITS == 4 ? kLanes * G / 2 : kLanes * G / 2 + 64;
-}
-
 // The codes of one tile and group as vpdpbusd/tdpbsud operands: v[step] = [16 columns][4 codes].
 template <int BITS, int G>
 inline void decode_codes(const uint8_t* wp, __m512i (&v)[G / 4]) {
@@ -173,17 +199,6 @@ inline void unpack_group(const uint8_t* wp, uint8_t* dst) {
   __m512i v[G / 4];
   decode_codes<BITS, G>(wp, v);
   for (int s = 0; s < G / 4; ++s) _mm512_store_si512(dst + 64 * s, v[s]);
-}
-
-// Weights stream from memory once per call, so each tile's codes are prefetched this many groups
-// ahead: a single core's loop otherwise waited on memory (rows=1 over 98 MB of Q4_K layers, 2
-// threads: 32 GB/s without, 42 with, against 46 for a plain sum over memory; 4 and 16 groups
-// ahead gave 39-41, 32 gave 35).
-constexpr int kPrefetchGroups = 8;
-
-template <int kBytes>
-inline void prefetch_group(const uint8_t* p) {
-  for (int line = 0; line < kBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
 }
 
 // Columns of tiles [tile, tile + kTilesPerStep) for rows [r_begin, r_end): acc [r_end - r_begin, 32].
@@ -258,7 +273,7 @@ void tile_step_row(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t
   for (int n = 0; n < kTilesPerStep; ++n) _mm512_storeu_ps(acc + n * kLanes, a[n]);
 }
 
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#if DYNASPEC_AMX
 constexpr int kAmxRows = kRowBlock;  // rows per tile product (the activation tile's height)
 
 struct alignas(64) TileConfig {
@@ -368,6 +383,10 @@ void run_amx(const int8_t* xq, const float* xs, const float* xc, int64_t rows, i
 }
 #endif
 
+#else
+#include "qmatmul_avx2.h"
+#endif  // DYNASPEC_AVX512_VNNI
+
 template <int BITS, int G, int MODE>
 void run(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& st, int64_t tiles, at::Tensor& out,
          int64_t amx_min_rows) {
@@ -383,7 +402,7 @@ void run(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& st, int64_
   // Rows [0, amx_rows) go through AMX tiles in blocks of 16, the rest through the VNNI loop: whole
   // blocks where the remainder is too short to be worth a padded block.
   int64_t amx_rows = 0;
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#if DYNASPEC_AMX
   if (rows >= amx_min_rows && amx_ready()) {
     const int64_t full = rows / kRowBlock * kRowBlock;
     amx_rows = rows - full >= amx_min_rows ? padded_rows : full;

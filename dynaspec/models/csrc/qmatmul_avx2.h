@@ -1,0 +1,249 @@
+// qmatmul.cpp's ISA-specific half for CPUs without AVX-512 VNNI: AVX2 with FMA and F16C (every
+// x86-64 CPU since 2013-2015: Haswell, Zen). Included by qmatmul.cpp inside its namespace, after
+// the shared definitions (ScaleTable, tile_bytes, xq_at, prefetch_group).
+//
+// Same packed layout, same arithmetic, same bits as the AVX-512 half: a tile's 16 columns are two
+// 256-bit halves of 8 (each step's 64 bytes are [column][4 codes], so bytes 0-31 are columns 0-7),
+// and each half's integer dot product is the same exact int32 sum per column, followed by the same
+// float epilogue in the same group order. Without VNNI the dot product is vpmaddubsw (unsigned
+// code x signed activation, pairs added into int16) then vpmaddwd by ones (pairs into int32).
+// vpmaddubsw saturates at 2^15, so int16 partial sums gather only as many steps as cannot reach
+// it: 2 x (2^bits - 1) x 127 per step (4-bit codes: 8 steps; 5-bit: 4; 6-bit: 2), and 8-bit codes
+// go as two nibbles (16 hi + lo). With AVX-VNNI (vpdpbusd on 256 bits: Alder Lake and later) the
+// sums go straight to int32.
+
+constexpr int kHalf = 8;  // columns (int32 or float lanes) per 256-bit half of a tile
+
+// x [rows, in] float32 -> xq (blocked int8 codes, see xq_at), xs [rows, groups] (the group's
+// scale), xc [rows, groups] (scale * sum of the group's codes, which the offsets multiply).
+template <int G>
+void quantize_rows(const float* x, int64_t rows, int64_t n_in, int8_t* xq, float* xs, float* xc) {
+  const int64_t groups = n_in / G;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* p = x + r * n_in + g * G;
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < G; i += kHalf) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(p + i), magnitude));
+        alignas(32) float lanes[kHalf];
+        _mm256_store_ps(lanes, amax);
+        float m = lanes[0];
+        for (int l = 1; l < kHalf; ++l) m = lanes[l] > m ? lanes[l] : m;
+        const float scale = m / 127.0f;
+        const __m256 inv = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+        __m256i sum = _mm256_setzero_si256();
+        int8_t* dst = xq + xq_at<G>(r, g, groups);
+        for (int i = 0; i < G; i += kHalf) {
+          const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + i), inv));
+          const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), _mm_packs_epi16(w16, w16));
+          sum = _mm256_add_epi32(sum, q);
+        }
+        alignas(32) int32_t parts[kHalf];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(parts), sum);
+        int32_t total = 0;
+        for (int l = 0; l < kHalf; ++l) total += parts[l];
+        xs[r * groups + g] = scale;
+        xc[r * groups + g] = scale * static_cast<float>(total);
+      }
+    }
+  });
+}
+
+// The int8 sub-scales of 8 columns, widened to float32.
+inline __m256 sub_scales(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m256 f16_scales(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The scales (vs) and offsets (vo) of one tile and group, half h (columns 8h..8h+7), as float32.
+template <int MODE>
+inline void load_scales(const ScaleTable& t, int64_t tile, int64_t g, int64_t sup, int h, __m256& vs, __m256& vo) {
+  constexpr int64_t kFields = scale_fields(MODE);
+  const int64_t at = (tile * t.groups + g) * kFields * kLanes + h * kHalf;
+  const int64_t at_super = (tile * t.supers + sup) * kFields * kLanes + h * kHalf;
+  if constexpr (MODE == kScaleF32) {
+    vs = _mm256_loadu_ps(t.f32 + at);
+    vo = _mm256_loadu_ps(t.f32 + at + kLanes);
+  } else if constexpr (MODE == kScaleF16) {
+    vs = f16_scales(t.f16 + at);
+    vo = f16_scales(t.f16 + at + kLanes);
+  } else if constexpr (MODE == kScaleSuper) {
+    vs = _mm256_mul_ps(_mm256_loadu_ps(t.f32 + at_super), sub_scales(t.sub + at));
+    vo = _mm256_mul_ps(_mm256_loadu_ps(t.f32 + at_super + kLanes), sub_scales(t.sub + at + kLanes));
+  } else {  // symmetric: the offset is the scale times -2^(b-1), exactly
+    if constexpr (MODE == kScaleF16Sym) {
+      vs = f16_scales(t.f16 + at);
+    } else {
+      vs = _mm256_mul_ps(_mm256_loadu_ps(t.f32 + at_super), sub_scales(t.sub + at));
+    }
+    vo = _mm256_mul_ps(vs, _mm256_set1_ps(t.neg_shift));
+  }
+}
+
+// One group's contribution to 8 outputs of a row: acc + scale * (dot * xs) + offset * xc.
+inline __m256 epilogue(__m256 acc, __m256i dot, __m256 scale, __m256 offset, float xs, float xc) {
+  acc = _mm256_fmadd_ps(scale, _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xs)), acc);
+  return _mm256_fmadd_ps(offset, _mm256_set1_ps(xc), acc);
+}
+
+// The codes of half h of one tile and group: v[step] = [8 columns][4 codes] (bytes 32h.. of each
+// step's 64).
+template <int BITS, int G>
+inline void decode_half(const uint8_t* wp, int h, __m256i (&v)[G / 4]) {
+  constexpr int kSteps = G / 4;
+  static_assert(BITS == 4 || BITS == 8 || (BITS == 5 && kSteps <= 8) || (BITS == 6 && kSteps <= 4), "unsupported packing");
+  const uint8_t* base = wp + 32 * h;
+  if constexpr (BITS == 8) {
+    for (int s = 0; s < kSteps; ++s) v[s] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * s));
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < kSteps / 2; ++i) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * i));
+      v[i] = _mm256_and_si256(raw, low);
+      v[i + kSteps / 2] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+    if constexpr (BITS > 4) {
+      constexpr int kWidthBits = BITS - 4;
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 32 * kSteps));
+      const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << kWidthBits) - 1) << 4));
+      for (int s = 0; s < kSteps; ++s) {
+        const int pos = kWidthBits * s;
+        const __m256i moved = pos <= 4 ? _mm256_slli_epi16(plane, 4 - pos) : _mm256_srli_epi16(plane, pos - 4);
+        v[s] = _mm256_or_si256(v[s], _mm256_and_si256(moved, mask));
+      }
+    }
+  }
+}
+
+// The scales of tile `tile`, group g, towards L1 (kPrefetchGroups ahead, as the codes): without
+// it a one-row call waited on them (14.8 GB/s on a Q4_K layer, against 33 for a plain read).
+template <int MODE>
+inline void prefetch_scales(const ScaleTable& t, int64_t tile, int64_t g) {
+  if (g >= t.groups) return;
+  constexpr int64_t kFields = scale_fields(MODE);
+  const int64_t at = (tile * t.groups + g) * kFields * kLanes;
+  if constexpr (MODE == kScaleF32) {
+    _mm_prefetch(reinterpret_cast<const char*>(t.f32 + at), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(t.f32 + at + kLanes), _MM_HINT_T0);
+  } else if constexpr (MODE == kScaleF16 || MODE == kScaleF16Sym) {
+    _mm_prefetch(reinterpret_cast<const char*>(t.f16 + at), _MM_HINT_T0);
+  } else {
+    _mm_prefetch(reinterpret_cast<const char*>(t.sub + at), _MM_HINT_T0);
+    const int64_t sup = (tile * t.supers + g / t.super_groups) * kFields * kLanes;
+    _mm_prefetch(reinterpret_cast<const char*>(t.f32 + sup), _MM_HINT_T0);
+    if constexpr (kFields == 2) _mm_prefetch(reinterpret_cast<const char*>(t.f32 + sup + kLanes), _MM_HINT_T0);
+  }
+}
+
+// Steps whose int16 partial sums cannot saturate: each adds at most 2 x (2^bits - 1) x 127.
+constexpr int int16_steps(int bits) { return bits == 5 ? 4 : bits == 6 ? 2 : 8; }
+
+inline __m256i broadcast4(const int8_t* xr) {
+  int32_t four;
+  std::memcpy(&four, xr, 4);
+  return _mm256_set1_epi32(four);
+}
+
+// Exact int32 sums, per column of a half, of the group's codes times the row's activation codes xr.
+template <int BITS, int G>
+inline __m256i dot_half(const __m256i (&v)[G / 4], const int8_t* xr) {
+  constexpr int kSteps = G / 4;
+#if defined(__AVXVNNI__)
+  __m256i acc = _mm256_setzero_si256();
+  for (int s = 0; s < kSteps; ++s) acc = _mm256_dpbusd_avx_epi32(acc, v[s], broadcast4(xr + 4 * s));
+  return acc;
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc = _mm256_setzero_si256();
+  if constexpr (BITS == 8) {  // u = 16 * (u >> 4) + (u & 15): two 4-bit dot products
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int c0 = 0; c0 < kSteps; c0 += int16_steps(4)) {
+      __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
+      for (int s = c0; s < c0 + int16_steps(4) && s < kSteps; ++s) {
+        const __m256i xb = broadcast4(xr + 4 * s);
+        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v[s], 4), low), xb));
+        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(v[s], low), xb));
+      }
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(hi, _mm256_set1_epi16(16)));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(lo, ones));
+    }
+  } else {
+    constexpr int kChunk = int16_steps(BITS);
+    for (int c0 = 0; c0 < kSteps; c0 += kChunk) {
+      __m256i part = _mm256_maddubs_epi16(v[c0], broadcast4(xr + 4 * c0));
+      for (int s = c0 + 1; s < c0 + kChunk && s < kSteps; ++s)
+        part = _mm256_add_epi16(part, _mm256_maddubs_epi16(v[s], broadcast4(xr + 4 * s)));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(part, ones));
+    }
+  }
+  return acc;
+#endif
+}
+
+// Columns of tiles [tile, tile + kTilesPerStep) for rows [r_begin, r_end): acc [r_end - r_begin, 32].
+// Each group's codes are decoded once into a block in L1 and serve every row.
+template <int BITS, int G, int MODE>
+void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups,
+               const int8_t* xq, const float* xs, const float* xc, int64_t r_begin, int64_t r_end, float* acc) {
+  constexpr int kSteps = G / 4;
+  constexpr int kTileBytes = tile_bytes<BITS, G>();
+  constexpr int kWidth = kTilesPerStep * kLanes;
+  constexpr int kParts = kTilesPerStep * 2;  // (tile, half) pairs
+  std::memset(acc, 0, sizeof(float) * (r_end - r_begin) * kWidth);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i wv[kParts][kSteps];
+    __m256 vs[kParts], vo[kParts];
+    for (int n = 0; n < kTilesPerStep; ++n) {
+      const uint8_t* wg = w + ((tile + n) * groups + g) * kTileBytes;
+      if (g + kPrefetchGroups < groups) prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
+      prefetch_scales<MODE>(st, tile + n, g + kPrefetchGroups);
+      for (int h = 0; h < 2; ++h) {
+        decode_half<BITS, G>(wg, h, wv[2 * n + h]);
+        load_scales<MODE>(st, tile + n, g, g / st.super_groups, h, vs[2 * n + h], vo[2 * n + h]);
+      }
+    }
+    for (int64_t r = r_begin; r < r_end; ++r) {
+      const int8_t* xr = xq + xq_at<G>(r, g, groups);
+      const float xsg = xs[r * groups + g], xcg = xc[r * groups + g];
+      float* ar = acc + (r - r_begin) * kWidth;
+      for (int part = 0; part < kParts; ++part) {
+        const __m256 a = _mm256_loadu_ps(ar + part * kHalf);
+        _mm256_storeu_ps(ar + part * kHalf, epilogue(a, dot_half<BITS, G>(wv[part], xr), vs[part], vo[part], xsg, xcg));
+      }
+    }
+  }
+}
+
+// One row (a batch-1 decode): tile_step's operations for r_end = r + 1, the accumulators in
+// registers and each half decoded just before its dot product.
+template <int BITS, int G, int MODE>
+void tile_step_row(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups, const int8_t* xq,
+                   const float* xs, const float* xc, int64_t r, float* acc) {
+  constexpr int kTileBytes = tile_bytes<BITS, G>();
+  constexpr int kParts = kTilesPerStep * 2;
+  __m256 a[kParts];
+  for (int part = 0; part < kParts; ++part) a[part] = _mm256_setzero_ps();
+  for (int64_t g = 0, sup = 0, in_sup = 0; g < groups; ++g) {
+    const int8_t* xr = xq + xq_at<G>(r, g, groups);
+    const float xsg = xs[r * groups + g], xcg = xc[r * groups + g];
+    for (int n = 0; n < kTilesPerStep; ++n) {
+      const uint8_t* wg = w + ((tile + n) * groups + g) * kTileBytes;
+      if (g + kPrefetchGroups < groups) prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
+      prefetch_scales<MODE>(st, tile + n, g + kPrefetchGroups);
+      for (int h = 0; h < 2; ++h) {
+        __m256i wv[G / 4];
+        decode_half<BITS, G>(wg, h, wv);
+        __m256 vs, vo;
+        load_scales<MODE>(st, tile + n, g, sup, h, vs, vo);
+        a[2 * n + h] = epilogue(a[2 * n + h], dot_half<BITS, G>(wv, xr), vs, vo, xsg, xcg);
+      }
+    }
+    if (++in_sup == st.super_groups) in_sup = 0, ++sup;
+  }
+  for (int part = 0; part < kParts; ++part) _mm256_storeu_ps(acc + part * kHalf, a[part]);
+}
