@@ -48,10 +48,12 @@ def _reference(q, k_cache, v_cache, table, row_seq, row_len):
     return out
 
 
-# head sizes: 128 and 64 (the AVX-512 path, 8 and 4 chunks of 16), 24 (the scalar path); groups of
-# 6 and 7 query heads per KV head (the 1.5B and 0.5B Qwen models: values in tiles of 6 heads by
-# 4 chunks, and 7 by 4), 8 (tiles of 8 by 2) and 10 (8 and 2, by 2)
-SHAPES = [(12, 2, 128), (14, 2, 64), (16, 2, 128), (20, 2, 64), (4, 2, 24)]
+# head sizes: 128 and 64 (the AVX-512 path, 8 and 4 chunks of 16; with AVX2, 16 and 8 chunks of 8),
+# 24 (the scalar path with AVX-512, AVX2's with 3 chunks), 20 (the scalar path); groups of 6 and 7
+# query heads per KV head (the 1.5B and 0.5B Qwen models: values in tiles of 6 heads by 4 chunks,
+# and 7 by 4; with AVX2 6 by 2 and 7 by 2), 8 (tiles of 8 by 2; 7 and 1 by 2) and 10 (8 and 2, by 2;
+# 7 and 3 by 2)
+SHAPES = [(12, 2, 128), (14, 2, 64), (16, 2, 128), (20, 2, 64), (4, 2, 24), (4, 2, 20)]
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 from pathlib import Path
 
@@ -25,7 +26,11 @@ def kernel_digest() -> str:
 @functools.cache
 def kernel_error() -> str | None:
     """None when the C++ operators (quantized matmul, row-wise paged attention, fused norm/RoPE/SiLU)
-    are loaded (built on first use, cached in torch's extension directory), else why they are not."""
+    are loaded (built on first use, cached in torch's extension directory), else why they are not.
+    ``DYNASPEC_KERNELS=0`` in the environment leaves them out (the built-in paths, as on a CPU
+    they do not build for)."""
+    if os.environ.get("DYNASPEC_KERNELS", "1") == "0":
+        return "turned off by DYNASPEC_KERNELS=0"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the C++ kernels need x86-64, not {platform.machine()}"
     try:

@@ -11,7 +11,7 @@
 // The K/V cache is float32 or bfloat16; queries and outputs are float32. Work items are (block, KV
 // head) pairs, a block being up to kBlockRows consecutive rows of one sequence (a request's
 // verified window, or a slice of its prefill chunk), whose queries are its rows times the heads of
-// one KV group. With head sizes a multiple of 16 (AVX-512): scores go 16 keys at a time, every
+// one KV group. With head sizes a multiple of 16 (AVX-512; with AVX2, 8 and 8 keys): scores go 16 keys at a time, every
 // query of the block against a tile of keys while it is in L1, each query's 16 dot products added
 // up by one fixed tree; values are accumulated in registers for as many heads of a row as fit (a
 // whole KV group's, up to 8), over the row's keys in order, so a row reads its values once. Other
@@ -128,15 +128,6 @@ void attend_block_scalar(const float* q, const T* kc, const T* vc, const int64_t
   }
 }
 
-#if defined(__AVX512F__)
-// --- head sizes a multiple of 16: AVX-512 ------------------------------------------------------------
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // Pulls ``bytes`` from ``p`` towards L1 ahead of use: the cache is read through the slot table, a
 // key at a time, which the hardware's prefetchers follow poorly.
 inline void prefetch(const void* p, int64_t bytes) {
@@ -146,6 +137,15 @@ inline void prefetch(const void* p, int64_t bytes) {
 
 constexpr int64_t kValuesAhead = 32;  // keys ahead at which the values loop prefetches
 constexpr int64_t kKeysAhead = 64;    // keys ahead at which the scores loop prefetches
+
+#if defined(__AVX512F__)
+// --- head sizes a multiple of 16: AVX-512 ------------------------------------------------------------
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 
 // The sums of 16 vectors, in order, in one vector: each is added up by the same fixed tree (lanes
 // 0+2 and 1+3 of each 128-bit quarter, those two, then the quarters pairwise) whatever its place.
@@ -312,7 +312,167 @@ void attend_block_avx512(const float* q, const T* kc, const T* vc, const int64_t
   }
 }
 
-#endif  // __AVX512F__
+#elif defined(__AVX2__) && defined(__FMA__)
+// --- head sizes a multiple of 8: AVX2 ------------------------------------------------------------------
+// The AVX-512 section's algorithm on 256-bit registers (16 of them): scores 8 keys at a time, each
+// query's 8 lane sums added up by one fixed tree; values in registers for as many heads of a row as fit.
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The sums of 8 vectors, in order, in one vector: each is added up by the same fixed tree (lanes
+// 0+2 and 1+3 of each 128-bit half, those two, then the halves) whatever its place.
+inline __m256 sum8(const __m256* a) {
+  __m256 c[4], f[2];
+  for (int k = 0; k < 4; ++k)
+    c[k] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 2; ++k)
+    f[k] = _mm256_add_ps(_mm256_shuffle_ps(c[2 * k], c[2 * k + 1], 0x44),
+                         _mm256_shuffle_ps(c[2 * k], c[2 * k + 1], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(f[0], f[1], 0x20), _mm256_permute2f128_ps(f[0], f[1], 0x31));
+}
+
+// The 8 scores of NX queries against a tile of 8 keys, kKeyTile8 keys at a time (NX x kKeyTile8
+// accumulators, the keys and a query: at most 15 registers).
+constexpr int kQueryTile8 = 6;
+constexpr int kKeyTile8 = 2;
+
+template <typename T, int NX>
+void tile_scores8(const float* const* qx, const T* const* kp, int64_t d, __m256 vscale, float* const* dst) {
+  __m256 part[NX][8];
+  for (int k0 = 0; k0 < 8; k0 += kKeyTile8) {
+    __m256 acc[NX][kKeyTile8];
+    for (int t = 0; t < NX; ++t)
+      for (int k = 0; k < kKeyTile8; ++k) acc[t][k] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+      __m256 kv[kKeyTile8];
+      for (int k = 0; k < kKeyTile8; ++k) kv[k] = load8(kp[k0 + k] + i);
+      for (int t = 0; t < NX; ++t) {
+        const __m256 qv = _mm256_loadu_ps(qx[t] + i);
+        for (int k = 0; k < kKeyTile8; ++k) acc[t][k] = _mm256_fmadd_ps(qv, kv[k], acc[t][k]);
+      }
+    }
+    for (int t = 0; t < NX; ++t)
+      for (int k = 0; k < kKeyTile8; ++k) part[t][k0 + k] = acc[t][k];
+  }
+  for (int t = 0; t < NX; ++t) _mm256_storeu_ps(dst[t], _mm256_mul_ps(sum8(part[t]), vscale));
+}
+
+template <typename T>
+void tile_scores8_nx(int nx, const float* const* qx, const T* const* kp, int64_t d, __m256 vscale,
+                     float* const* dst) {
+  switch (nx) {
+    case 6: tile_scores8<T, 6>(qx, kp, d, vscale, dst); break;
+    case 5: tile_scores8<T, 5>(qx, kp, d, vscale, dst); break;
+    case 4: tile_scores8<T, 4>(qx, kp, d, vscale, dst); break;
+    case 3: tile_scores8<T, 3>(qx, kp, d, vscale, dst); break;
+    case 2: tile_scores8<T, 2>(qx, kp, d, vscale, dst); break;
+    default: tile_scores8<T, 1>(qx, kp, d, vscale, dst);
+  }
+}
+
+// acc[t] += p[t][j] * v_j over keys j < len for NT queries, ND 8-float chunks of the head from chunk c0.
+template <typename T, int NT, int ND>
+void weighted_values8(const float* const* p, int64_t len, const T* vc, const int64_t* slots, int64_t kv_heads,
+                      int64_t h, int64_t d, int64_t c0, float* const* out, const float* inv) {
+  __m256 acc[NT][ND];
+  for (int t = 0; t < NT; ++t)
+    for (int c = 0; c < ND; ++c) acc[t][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kValuesAhead < len)
+      prefetch(vc + (slots[j + kValuesAhead] * kv_heads + h) * d + c0 * 8, ND * 8 * sizeof(T));
+    const T* vp = vc + (slots[j] * kv_heads + h) * d + c0 * 8;
+    __m256 v[ND];
+    for (int c = 0; c < ND; ++c) v[c] = load8(vp + c * 8);
+    for (int t = 0; t < NT; ++t) {
+      const __m256 pt = _mm256_set1_ps(p[t][j]);
+      for (int c = 0; c < ND; ++c) acc[t][c] = _mm256_fmadd_ps(pt, v[c], acc[t][c]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int c = 0; c < ND; ++c)
+      _mm256_storeu_ps(out[t] + (c0 + c) * 8, _mm256_mul_ps(acc[t][c], _mm256_set1_ps(inv[t])));
+}
+
+constexpr int kMaxHeads8 = 7;  // heads of a row at a time: (heads + 1) x ND of the 16 registers
+
+template <typename T, int ND>
+void weighted_values8_nt(int nt, const float* const* p, int64_t len, const T* vc, const int64_t* slots,
+                         int64_t kv_heads, int64_t h, int64_t d, int64_t c0, float* const* out, const float* inv) {
+  switch (nt) {
+#define DYNASPEC_NT8(N)                                                              \
+  case N:                                                                            \
+    if constexpr ((N + 1) * ND <= 16)                                                \
+      weighted_values8<T, N, ND>(p, len, vc, slots, kv_heads, h, d, c0, out, inv);   \
+    else                                                                             \
+      TORCH_CHECK(false, "weighted_values8: a tiling that does not fit the registers"); \
+    break;
+    DYNASPEC_NT8(7) DYNASPEC_NT8(6) DYNASPEC_NT8(5) DYNASPEC_NT8(4) DYNASPEC_NT8(3) DYNASPEC_NT8(2)
+#undef DYNASPEC_NT8
+    default: weighted_values8<T, 1, ND>(p, len, vc, slots, kv_heads, h, d, c0, out, inv);
+  }
+}
+
+template <typename T>
+void attend_block_avx2(const float* q, const T* kc, const T* vc, const int64_t* slots, const int64_t* lens,
+                       int64_t t0, int64_t nr, int64_t h, int64_t heads, int64_t kv_heads, int64_t d,
+                       float scale, std::vector<float>& scores, std::vector<float>& inv, float* out) {
+  const int64_t group = heads / kv_heads, nq = nr * group;
+  int64_t n = 0;
+  for (int64_t r = 0; r < nr; ++r) n = lens[r] > n ? lens[r] : n;
+  const int64_t stride = (n + 7) / 8 * 8;
+  scores.resize(nq * stride);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {  // 8 keys at a time, each query's 8 scores at once
+    const T* kp[8];
+    for (int k = 0; k < 8; ++k) kp[k] = kc + (slots[j0 + k < n ? j0 + k : 0] * kv_heads + h) * d;
+    for (int64_t k = j0 + kKeysAhead; k < std::min(j0 + kKeysAhead + 8, n); ++k)
+      prefetch(kc + (slots[k] * kv_heads + h) * d, d * sizeof(T));
+    for (int64_t x0 = 0; x0 < nq; x0 += kQueryTile8) {
+      const int nx = static_cast<int>(std::min<int64_t>(kQueryTile8, nq - x0));
+      const float* qx[kQueryTile8];
+      float* dst[kQueryTile8];
+      for (int t = 0; t < nx; ++t) {
+        const int64_t x = x0 + t;
+        qx[t] = q + ((t0 + x / group) * heads + h * group + x % group) * d;
+        dst[t] = scores.data() + x * stride + j0;
+      }
+      tile_scores8_nx(nx, qx, kp, d, vscale, dst);
+    }
+  }
+  inv.resize(nq);
+  softmax_rows(scores.data(), stride, lens, group, nq, inv.data());
+  const int64_t chunks = d / 8;
+  // as many heads of a row as fit, then the widest chunk count that fits with them
+  const int nt_max = static_cast<int>(std::min<int64_t>(group, kMaxHeads8));
+  int nd = 1;
+  for (int w : {4, 2, 1})
+    if (chunks % w == 0 && (nt_max + 1) * w <= 16) {
+      nd = w;
+      break;
+    }
+  for (int64_t x0 = 0; x0 < nq;) {
+    const int nt = static_cast<int>(std::min<int64_t>(nt_max, group - x0 % group));
+    const float* p[kMaxHeads8];
+    float* o[kMaxHeads8];
+    for (int t = 0; t < nt; ++t) {
+      const int64_t x = x0 + t;
+      p[t] = scores.data() + x * stride;
+      o[t] = out + ((t0 + x / group) * heads + h * group + x % group) * d;
+    }
+    const int64_t len = lens[x0 / group];
+    for (int64_t c0 = 0; c0 < chunks; c0 += nd) {
+      if (nd == 4) weighted_values8_nt<T, 4>(nt, p, len, vc, slots, kv_heads, h, d, c0, o, inv.data() + x0);
+      else if (nd == 2) weighted_values8_nt<T, 2>(nt, p, len, vc, slots, kv_heads, h, d, c0, o, inv.data() + x0);
+      else weighted_values8_nt<T, 1>(nt, p, len, vc, slots, kv_heads, h, d, c0, o, inv.data() + x0);
+    }
+    x0 += nt;
+  }
+}
+#endif  // __AVX512F__, __AVX2__
 
 template <typename T>
 void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t table_width,
@@ -328,6 +488,11 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
 #if defined(__AVX512F__)
       if (d % 16 == 0) {
         attend_block_avx512(q, kc, vc, slots, row_len + t0, t0, nr, h, heads, kv_heads, d, scale, scores, inv, out);
+        continue;
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if (d % 8 == 0) {
+        attend_block_avx2(q, kc, vc, slots, row_len + t0, t0, nr, h, heads, kv_heads, d, scale, scores, inv, out);
         continue;
       }
 #endif
