@@ -99,6 +99,8 @@ inline void prefetch_group(const uint8_t* p) {
 // (qmatmul_avx2.h). Both read the same packed layout and give the same bits.
 #if DYNASPEC_AVX512_VNNI
 
+constexpr int kXqBytes = 1;  // bytes of xq per activation code (see xq_at)
+
 // x [rows, in] float32 -> xq (blocked int8 codes, see xq_at), xs [rows, groups] (the group's
 // scale), xc [rows, groups] (scale * sum of the group's codes, which the offsets multiply).
 template <int G>
@@ -394,7 +396,7 @@ void run(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& st, int64_
   const int64_t groups = n_in / G;
   // rows padded (with zeros) to whole AMX blocks; the padding rows are computed and dropped
   const int64_t padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
-  std::vector<int8_t> xq(padded_rows * n_in, 0);
+  std::vector<int8_t> xq(padded_rows * n_in * kXqBytes, 0);
   std::vector<float> xs(padded_rows * groups, 0.0f), xc(padded_rows * groups, 0.0f);
   quantize_rows<G>(xf.data_ptr<float>(), rows, n_in, xq.data(), xs.data(), xc.data());
   const uint8_t* wp = w.data_ptr<uint8_t>();

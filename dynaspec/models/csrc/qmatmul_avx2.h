@@ -11,10 +11,28 @@
 // it: 2 x (2^bits - 1) x 127 per step (4-bit codes: 8 steps; 5-bit: 4; 6-bit: 2), and 8-bit codes
 // go as two nibbles (16 hi + lo). With AVX-VNNI (vpdpbusd on 256 bits: Alder Lake and later) the
 // sums go straight to int32.
+//
+// The activation codes are stored broadcast (each step's 4 codes repeated over 32 bytes), so every
+// vpmaddubsw reads its activations straight from memory; with several rows a group's decoded codes
+// stay in registers while every row passes (parts outer, rows inner).
 
 constexpr int kHalf = 8;  // columns (int32 or float lanes) per 256-bit half of a tile
+constexpr int kXqBytes = 8;  // bytes of xq per activation code: each step's 4 codes, 8 times
 
-// x [rows, in] float32 -> xq (blocked int8 codes, see xq_at), xs [rows, groups] (the group's
+// Offset of row r, group g in the broadcast activation codes, blocked as xq_at's: [rows / 16, groups,
+// 16, G / 4 steps, 32 bytes], so a group's rows lie together (rows [rows, groups, ...] apart, a
+// multiple of 4 KiB for 1536 inputs, fell in the same L1 sets).
+template <int G>
+inline int64_t xb_at(int64_t r, int64_t g, int64_t groups) {
+  return xq_at<G>(r, g, groups) * kXqBytes;
+}
+
+// The activation codes of step s of a group (xr: the group's first), one int32 of 4 codes per lane.
+inline __m256i xstep(const int8_t* xr, int s) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * s));
+}
+
+// x [rows, in] float32 -> xq (broadcast int8 codes, see xb_at), xs [rows, groups] (the group's
 // scale), xc [rows, groups] (scale * sum of the group's codes, which the offsets multiply).
 template <int G>
 void quantize_rows(const float* x, int64_t rows, int64_t n_in, int8_t* xq, float* xs, float* xc) {
@@ -33,11 +51,13 @@ void quantize_rows(const float* x, int64_t rows, int64_t n_in, int8_t* xq, float
         const float scale = m / 127.0f;
         const __m256 inv = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
         __m256i sum = _mm256_setzero_si256();
-        int8_t* dst = xq + xq_at<G>(r, g, groups);
-        for (int i = 0; i < G; i += kHalf) {
+        int8_t* dst = xq + xb_at<G>(r, g, groups);
+        for (int i = 0; i < G; i += kHalf) {  // two steps of 4 codes
           const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + i), inv));
           const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-          _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), _mm_packs_epi16(w16, w16));
+          const __m128i b8 = _mm_packs_epi16(w16, w16);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * i), _mm256_set1_epi32(_mm_cvtsi128_si32(b8)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * i + 32), _mm256_set1_epi32(_mm_extract_epi32(b8, 1)));
           sum = _mm256_add_epi32(sum, q);
         }
         alignas(32) int32_t parts[kHalf];
@@ -143,19 +163,14 @@ inline void prefetch_scales(const ScaleTable& t, int64_t tile, int64_t g) {
 // Steps whose int16 partial sums cannot saturate: each adds at most 2 x (2^bits - 1) x 127.
 constexpr int int16_steps(int bits) { return bits == 5 ? 4 : bits == 6 ? 2 : 8; }
 
-inline __m256i broadcast4(const int8_t* xr) {
-  int32_t four;
-  std::memcpy(&four, xr, 4);
-  return _mm256_set1_epi32(four);
-}
-
-// Exact int32 sums, per column of a half, of the group's codes times the row's activation codes xr.
+// Exact int32 sums, per column of a half, of the group's codes times the row's activation codes
+// (xr: the row's broadcast codes of the group).
 template <int BITS, int G>
 inline __m256i dot_half(const __m256i (&v)[G / 4], const int8_t* xr) {
   constexpr int kSteps = G / 4;
 #if defined(__AVXVNNI__)
   __m256i acc = _mm256_setzero_si256();
-  for (int s = 0; s < kSteps; ++s) acc = _mm256_dpbusd_avx_epi32(acc, v[s], broadcast4(xr + 4 * s));
+  for (int s = 0; s < kSteps; ++s) acc = _mm256_dpbusd_avx_epi32(acc, v[s], xstep(xr, s));
   return acc;
 #else
   const __m256i ones = _mm256_set1_epi16(1);
@@ -165,7 +180,7 @@ inline __m256i dot_half(const __m256i (&v)[G / 4], const int8_t* xr) {
     for (int c0 = 0; c0 < kSteps; c0 += int16_steps(4)) {
       __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
       for (int s = c0; s < c0 + int16_steps(4) && s < kSteps; ++s) {
-        const __m256i xb = broadcast4(xr + 4 * s);
+        const __m256i xb = xstep(xr, s);
         hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v[s], 4), low), xb));
         lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(v[s], low), xb));
       }
@@ -173,47 +188,85 @@ inline __m256i dot_half(const __m256i (&v)[G / 4], const int8_t* xr) {
       acc = _mm256_add_epi32(acc, _mm256_madd_epi16(lo, ones));
     }
   } else {
-    constexpr int kChunk = int16_steps(BITS);
+    constexpr int kChunk = int16_steps(BITS) < kSteps ? int16_steps(BITS) : kSteps;
     for (int c0 = 0; c0 < kSteps; c0 += kChunk) {
-      __m256i part = _mm256_maddubs_epi16(v[c0], broadcast4(xr + 4 * c0));
-      for (int s = c0 + 1; s < c0 + kChunk && s < kSteps; ++s)
-        part = _mm256_add_epi16(part, _mm256_maddubs_epi16(v[s], broadcast4(xr + 4 * s)));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(part, ones));
+      __m256i p[kChunk];  // the chunk's products, added pairwise (a tree, not a chain of adds)
+      for (int s = 0; s < kChunk; ++s) p[s] = _mm256_maddubs_epi16(v[c0 + s], xstep(xr, c0 + s));
+      for (int width = kChunk / 2; width > 0; width /= 2)
+        for (int s = 0; s < width; ++s) p[s] = _mm256_add_epi16(p[s], p[s + width]);
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p[0], ones));
     }
   }
   return acc;
 #endif
 }
 
+// Rows [r0, r0 + R) of one (tile, half): their 8 outputs accumulated in registers over every group.
+template <int BITS, int G, int MODE, int R>
+inline void half_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int h, int64_t groups, const int8_t* xq,
+                      const float* xs, const float* xc, int64_t r0, float* acc, int64_t acc_stride) {
+  constexpr int kTileBytes = tile_bytes<BITS, G>();
+  __m256 a[R];
+  for (int i = 0; i < R; ++i) a[i] = _mm256_setzero_ps();
+  const uint8_t* wt = w + tile * groups * kTileBytes;
+  for (int64_t g = 0, sup = 0, in_sup = 0; g < groups; ++g) {
+    const uint8_t* wg = wt + g * kTileBytes;
+    if (h == 0 && g + kPrefetchGroups < groups) {
+      prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
+      prefetch_scales<MODE>(st, tile, g + kPrefetchGroups);
+    }
+    __m256i wv[G / 4];
+    decode_half<BITS, G>(wg, h, wv);
+    __m256 vs, vo;
+    load_scales<MODE>(st, tile, g, sup, h, vs, vo);
+    for (int i = 0; i < R; ++i) {
+      const int64_t r = r0 + i;
+      a[i] = epilogue(a[i], dot_half<BITS, G>(wv, xq + xb_at<G>(r, g, groups)), vs, vo, xs[r * groups + g],
+                      xc[r * groups + g]);
+    }
+    if (++in_sup == st.super_groups) in_sup = 0, ++sup;
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(acc + i * acc_stride, a[i]);
+}
+
+constexpr int kRowRegs = 3;  // up to this many rows keep their sums in registers (half_rows)
+
 // Columns of tiles [tile, tile + kTilesPerStep) for rows [r_begin, r_end): acc [r_end - r_begin, 32].
-// Each group's codes are decoded once into a block in L1 and serve every row.
+// Up to kRowRegs rows: each (tile, half) sweeps every group with the rows' sums in registers. More:
+// each (tile, half) of a group is decoded into registers once and serves every row, whose sums
+// wait in acc (decoding a group again per few rows cost more than the sums' trips to L1).
 template <int BITS, int G, int MODE>
 void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups,
                const int8_t* xq, const float* xs, const float* xc, int64_t r_begin, int64_t r_end, float* acc) {
-  constexpr int kSteps = G / 4;
   constexpr int kTileBytes = tile_bytes<BITS, G>();
   constexpr int kWidth = kTilesPerStep * kLanes;
-  constexpr int kParts = kTilesPerStep * 2;  // (tile, half) pairs
-  std::memset(acc, 0, sizeof(float) * (r_end - r_begin) * kWidth);
+  const int64_t rows = r_end - r_begin;
+  if (rows <= kRowRegs) {
+    for (int n = 0; n < kTilesPerStep; ++n)
+      for (int h = 0; h < 2; ++h) {
+        float* a = acc + (2 * n + h) * kHalf;
+        if (rows == 3) half_rows<BITS, G, MODE, 3>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
+        else if (rows == 2) half_rows<BITS, G, MODE, 2>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
+        else half_rows<BITS, G, MODE, 1>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
+      }
+    return;
+  }
+  std::memset(acc, 0, sizeof(float) * rows * kWidth);
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i wv[kParts][kSteps];
-    __m256 vs[kParts], vo[kParts];
     for (int n = 0; n < kTilesPerStep; ++n) {
       const uint8_t* wg = w + ((tile + n) * groups + g) * kTileBytes;
       if (g + kPrefetchGroups < groups) prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
       prefetch_scales<MODE>(st, tile + n, g + kPrefetchGroups);
       for (int h = 0; h < 2; ++h) {
-        decode_half<BITS, G>(wg, h, wv[2 * n + h]);
-        load_scales<MODE>(st, tile + n, g, g / st.super_groups, h, vs[2 * n + h], vo[2 * n + h]);
-      }
-    }
-    for (int64_t r = r_begin; r < r_end; ++r) {
-      const int8_t* xr = xq + xq_at<G>(r, g, groups);
-      const float xsg = xs[r * groups + g], xcg = xc[r * groups + g];
-      float* ar = acc + (r - r_begin) * kWidth;
-      for (int part = 0; part < kParts; ++part) {
-        const __m256 a = _mm256_loadu_ps(ar + part * kHalf);
-        _mm256_storeu_ps(ar + part * kHalf, epilogue(a, dot_half<BITS, G>(wv[part], xr), vs[part], vo[part], xsg, xcg));
+        __m256i wv[G / 4];
+        decode_half<BITS, G>(wg, h, wv);
+        __m256 vs, vo;
+        load_scales<MODE>(st, tile + n, g, g / st.super_groups, h, vs, vo);
+        float* a = acc + (2 * n + h) * kHalf;
+        for (int64_t r = r_begin; r < r_end; ++r, a += kWidth) {
+          const __m256i dot = dot_half<BITS, G>(wv, xq + xb_at<G>(r, g, groups));
+          _mm256_storeu_ps(a, epilogue(_mm256_loadu_ps(a), dot, vs, vo, xs[r * groups + g], xc[r * groups + g]));
+        }
       }
     }
   }
@@ -229,7 +282,7 @@ void tile_step_row(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t
   __m256 a[kParts];
   for (int part = 0; part < kParts; ++part) a[part] = _mm256_setzero_ps();
   for (int64_t g = 0, sup = 0, in_sup = 0; g < groups; ++g) {
-    const int8_t* xr = xq + xq_at<G>(r, g, groups);
+    const int8_t* xr = xq + xb_at<G>(r, g, groups);
     const float xsg = xs[r * groups + g], xcg = xc[r * groups + g];
     for (int n = 0; n < kTilesPerStep; ++n) {
       const uint8_t* wg = w + ((tile + n) * groups + g) * kTileBytes;
