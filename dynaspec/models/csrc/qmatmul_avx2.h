@@ -211,9 +211,12 @@ inline void half_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int 
   const uint8_t* wt = w + tile * groups * kTileBytes;
   for (int64_t g = 0, sup = 0, in_sup = 0; g < groups; ++g) {
     const uint8_t* wg = wt + g * kTileBytes;
-    if (h == 0 && g + kPrefetchGroups < groups) {
-      prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
+    if (h == 0) {  // the first half streams this tile from memory, kPrefetchGroups ahead
+      if (g + kPrefetchGroups < groups) prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
       prefetch_scales<MODE>(st, tile, g + kPrefetchGroups);
+    } else {  // the second reads it again from cache, while the next tile comes from memory
+      prefetch_group<kTileBytes>(wg + groups * kTileBytes);
+      prefetch_scales<MODE>(st, tile + 1, g);
     }
     __m256i wv[G / 4];
     decode_half<BITS, G>(wg, h, wv);
