@@ -106,6 +106,20 @@ def test_itl_cells_are_visited_in_rounds_and_catchup_is_timed_on_lent_blocks(tar
     assert engine.allocator.num_free == free  # lent blocks given back
 
 
+def test_a_spent_time_budget_leaves_the_larger_batch_sizes_out(target_dir, caplog):
+    """The quick profile's time budget: once spent, the batch sizes not begun are left to the grid's
+    last slope, with a notice; the first three are measured whatever it says."""
+    engine = make_engine(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 1})
+    settings = ProfileSettings(
+        batch_sizes=[1, 2, 3, 4, 5], max_k=1, warmup_steps=0, measured_steps=1, rounds=1, revisits=0
+    )
+    assert sorted(measure_itl(engine, PROMPTS, settings, progress=False)) == [1, 2, 3, 4, 5]
+    settings.time_budget_s = 0.0
+    with caplog.at_level("WARNING"):
+        assert sorted(measure_itl(engine, PROMPTS, settings, progress=False)) == [1, 2, 3]
+    assert "batch sizes [4, 5] left to the grid's last slope" in caplog.text
+
+
 def test_an_ngram_cell_times_every_row_drafting_its_whole_k(target_dir):
     """A lookup without a match proposes nothing (on the tiny model's random text, no row would
     draft at all); the profiler fills the rows, so the step timed at K verifies bs x (K+1) tokens,

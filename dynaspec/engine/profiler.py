@@ -71,6 +71,9 @@ class ProfileSettings:
     catchup_rows: tuple[int, ...] = (1, 2, 4)  # whole prompts per timed drafter catch-up pass
     catchup_repeats: int = 2
     temperature: float = 0.0
+    # once the grid has taken this long, the batch sizes not yet begun are left out (the policy
+    # extends the grid along its last slope); the first MIN_BATCH_SIZES are always measured
+    time_budget_s: float | None = None
 
 
 def measure_acceptance(
@@ -98,6 +101,8 @@ def measure_acceptance(
 
 
 REVISIT_TOLERANCE = 0.10  # a cell this far off its batch size's line in K is visited again
+MIN_BATCH_SIZES = 3  # batch sizes a time budget never leaves out
+AUTO_TIME_BUDGET_S = 150.0  # the quick profile's ITL grid (the whole profile: ~1 min on the AVX-512 EPYC)
 
 
 def visit_order(ks: list[int], rounds: int) -> list[list[int]]:
@@ -175,12 +180,23 @@ def measure_itl(
                     timed.append((time.perf_counter() - start) * 1000)
         return timed
 
+    began = time.perf_counter()
     with (
         tqdm(total=visits, desc="ITL(bs, K)", unit="visit", disable=not progress) as bar,
         engine.recording() as run,
         filled_drafts(engine),
     ):
-        for bs in settings.batch_sizes:
+        for i, bs in enumerate(settings.batch_sizes):
+            spent = time.perf_counter() - began
+            if settings.time_budget_s is not None and i >= MIN_BATCH_SIZES and spent > settings.time_budget_s:
+                log.warning(
+                    "dynaspec: profile time budget (%.0f s) spent after %.0f s: batch sizes %s left to "
+                    "the grid's last slope",
+                    settings.time_budget_s,
+                    spent,
+                    settings.batch_sizes[i:],
+                )
+                break
             # enough tokens for every visit to run its steps without any request finishing
             budget = (settings.rounds + settings.revisits) * len(ks) * steps_per_visit * (
                 settings.max_k + 1
@@ -276,6 +292,7 @@ def run_profile(
                 "rounds": settings.rounds,
                 "revisits": settings.revisits,
                 "revisited": {str(bs): ks for bs, ks in revisited.items()},
+                "batch_sizes_measured": sorted(batch_stats),
                 "acceptance_prompts": settings.num_acceptance_prompts,
                 "acceptance_max_tokens": settings.acceptance_max_tokens,
                 "temperature": settings.temperature,
@@ -318,7 +335,10 @@ def cpu_name() -> str:
 def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
     """The quick profile: batch sizes 1..32 (up to max_num_seqs; above the largest, the grid goes
     on along its last slope), K = 0..max_k, one round, and acceptance from 8 short generations;
-    the live estimates refine both afterwards. 12 and 24 are in because a step's cost is not
+    the live estimates refine both afterwards. Batch sizes not begun within AUTO_TIME_BUDGET_S are
+    left out: on a CPU without AVX-512 every verified row is dear (about 30 ms for the 1.5B on the
+    2-core Zen 3 EPYC, where plain steps are linear in rows from 2 on) and the whole grid took
+    10 minutes, most of it the larger sizes' prompts and rows. 12 and 24 are in because a step's cost is not
     linear between 8, 16 and 32: the quantized kernels take 16 rows at a time from 12 rows on, so
     24 plain rows cost nearly what 32 do (196 and 205 ms in the n-gram auto profile here, where a
     line through 16 and 32 says 162; results/RESULTS.md, "The n-gram grid")."""
@@ -332,6 +352,7 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
         rounds=1,
         catchup_rows=(1, 2),
         catchup_repeats=1,
+        time_budget_s=AUTO_TIME_BUDGET_S,
     )
 
 
