@@ -201,6 +201,22 @@ inline __m256i dot_half(const __m256i (&v)[G / 4], const int8_t* xr) {
 #endif
 }
 
+// A tile's codes and scales kPrefetchGroups groups ahead of group g (wg: its codes), towards L1.
+template <int BITS, int G, int MODE>
+inline void prefetch_ahead(const uint8_t* wg, const ScaleTable& st, int64_t tile, int64_t g, int64_t groups) {
+  constexpr int kTileBytes = tile_bytes<BITS, G>();
+  if (g + kPrefetchGroups < groups) prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
+  prefetch_scales<MODE>(st, tile, g + kPrefetchGroups);
+}
+
+// Half h of one tile and group (wg: its codes): the codes decoded, its scales and offsets.
+template <int BITS, int G, int MODE>
+inline void load_half(const uint8_t* wg, const ScaleTable& st, int64_t tile, int64_t g, int64_t sup, int h,
+                      __m256i (&wv)[G / 4], __m256& vs, __m256& vo) {
+  decode_half<BITS, G>(wg, h, wv);
+  load_scales<MODE>(st, tile, g, sup, h, vs, vo);
+}
+
 // Rows [r0, r0 + R) of one (tile, half): their 8 outputs accumulated in registers over every group.
 template <int BITS, int G, int MODE, int R>
 inline void half_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int h, int64_t groups, const int8_t* xq,
@@ -212,16 +228,14 @@ inline void half_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int 
   for (int64_t g = 0, sup = 0, in_sup = 0; g < groups; ++g) {
     const uint8_t* wg = wt + g * kTileBytes;
     if (h == 0) {  // the first half streams this tile from memory, kPrefetchGroups ahead
-      if (g + kPrefetchGroups < groups) prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
-      prefetch_scales<MODE>(st, tile, g + kPrefetchGroups);
+      prefetch_ahead<BITS, G, MODE>(wg, st, tile, g, groups);
     } else {  // the second reads it again from cache, while the next tile comes from memory
       prefetch_group<kTileBytes>(wg + groups * kTileBytes);
       prefetch_scales<MODE>(st, tile + 1, g);
     }
     __m256i wv[G / 4];
-    decode_half<BITS, G>(wg, h, wv);
     __m256 vs, vo;
-    load_scales<MODE>(st, tile, g, sup, h, vs, vo);
+    load_half<BITS, G, MODE>(wg, st, tile, g, sup, h, wv, vs, vo);
     for (int i = 0; i < R; ++i) {
       const int64_t r = r0 + i;
       a[i] = epilogue(a[i], dot_half<BITS, G>(wv, xq + xb_at<G>(r, g, groups)), vs, vo, xs[r * groups + g],
@@ -258,13 +272,11 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
   for (int64_t g = 0; g < groups; ++g) {
     for (int n = 0; n < kTilesPerStep; ++n) {
       const uint8_t* wg = w + ((tile + n) * groups + g) * kTileBytes;
-      if (g + kPrefetchGroups < groups) prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
-      prefetch_scales<MODE>(st, tile + n, g + kPrefetchGroups);
+      prefetch_ahead<BITS, G, MODE>(wg, st, tile + n, g, groups);
       for (int h = 0; h < 2; ++h) {
         __m256i wv[G / 4];
-        decode_half<BITS, G>(wg, h, wv);
         __m256 vs, vo;
-        load_scales<MODE>(st, tile + n, g, g / st.super_groups, h, vs, vo);
+        load_half<BITS, G, MODE>(wg, st, tile + n, g, g / st.super_groups, h, wv, vs, vo);
         float* a = acc + (2 * n + h) * kHalf;
         for (int64_t r = r_begin; r < r_end; ++r, a += kWidth) {
           const __m256i dot = dot_half<BITS, G>(wv, xq + xb_at<G>(r, g, groups));
@@ -289,13 +301,11 @@ void tile_step_row(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t
     const float xsg = xs[r * groups + g], xcg = xc[r * groups + g];
     for (int n = 0; n < kTilesPerStep; ++n) {
       const uint8_t* wg = w + ((tile + n) * groups + g) * kTileBytes;
-      if (g + kPrefetchGroups < groups) prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
-      prefetch_scales<MODE>(st, tile + n, g + kPrefetchGroups);
+      prefetch_ahead<BITS, G, MODE>(wg, st, tile + n, g, groups);
       for (int h = 0; h < 2; ++h) {
         __m256i wv[G / 4];
-        decode_half<BITS, G>(wg, h, wv);
         __m256 vs, vo;
-        load_scales<MODE>(st, tile + n, g, sup, h, vs, vo);
+        load_half<BITS, G, MODE>(wg, st, tile + n, g, sup, h, wv, vs, vo);
         a[2 * n + h] = epilogue(a[2 * n + h], dot_half<BITS, G>(wv, xr), vs, vo, xsg, xcg);
       }
     }
