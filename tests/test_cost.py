@@ -195,7 +195,9 @@ def test_drafting_and_costs_never_crash_on_empty_data():
 def test_cost_model_round_trips_and_bad_one_is_refused(tmp_path):
     path = tmp_path / "p.json"
     save_profile(
-        Profile(2, [0.5, 0.4], {1: {0: 10.0}}, [[1, 1, 0]], {"target_ms": TARGET, "draft_pass_ms": DRAFT}),
+        Profile(
+            2, [0.5, 0.4], {1: {0: itl(1, 0)}}, [[1, 1, 0]], {"target_ms": TARGET, "draft_pass_ms": DRAFT}
+        ),
         path,
     )
     assert load_profile(path).cost_model == {"target_ms": TARGET, "draft_pass_ms": DRAFT}

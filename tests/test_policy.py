@@ -26,7 +26,7 @@ STATS = {
 }
 ALPHA = [0.8, 0.65, 0.5, 0.4]
 COST_NO_DRAFTER = {"target_ms": [90.0, 4.0, 4.0], "draft_pass_ms": [0.0, 0.0, 0.0]}
-COST_DRAFTER = {"target_ms": [90.0, 4.0, 4.0], "draft_pass_ms": [5.0, 0.5, 0.2]}
+COST_DRAFTER = {"target_ms": [90.0, 4.0, 4.0], "draft_pass_ms": [3.0, 0.5, 0.2]}
 
 
 def profile(alpha=ALPHA, stats=STATS, max_k=4) -> Profile:
@@ -338,7 +338,7 @@ def test_drafts_are_priced_at_the_whole_loads_row_of_the_grid():
     rule = GoodputK(pair, 4)
     itl = {k: rule.itl(8, k) for k in range(5)}
     one_pass = rule.costs.draft_pass_ms
-    assert one_pass(8) == pytest.approx(5.0 + 0.5 * 8) and one_pass(0) == 0.0
+    assert one_pass(8) == pytest.approx(3.0 + 0.5 * 8) and one_pass(0) == 0.0
     assert rule.drafted_cost(8, (8, 8, 8)) == pytest.approx(itl[3] - itl[0])
     # 2 rows drafting 3 positions: 6 of the load's rows (K = 0.75) and three passes over 2 rows
     expected = 0.75 * (itl[1] - itl[0]) - 0.75 * one_pass(8) + 3 * one_pass(2)

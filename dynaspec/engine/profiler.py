@@ -40,7 +40,14 @@ from dynaspec.engine.types import DraftPass, StepTiming
 from dynaspec.kpolicy.config import SpeculativeConfig
 from dynaspec.kpolicy.cost import fit_timings
 from dynaspec.kpolicy.policy import FixedK
-from dynaspec.kpolicy.profile import Profile, derive_table, load_profile, save_profile
+from dynaspec.kpolicy.profile import (
+    Profile,
+    checked_cost_model,
+    derive_table,
+    load_profile,
+    save_profile,
+    smooth_itl,
+)
 from dynaspec.models.kernels import kernel_digest, kernel_error
 from dynaspec.models.packs import cache_root
 from dynaspec.sampling_params import SamplingParams
@@ -54,8 +61,9 @@ AUTO_MAX_K = 5  # the largest K an auto profile measures unless num_speculative_
 # how profiles are measured, in the auto profile's key: 2 = n-gram rows filled when timed (a
 # cached profile of an earlier version is measured again), batch sizes 1-32 with 12 and 24;
 # 3 = the engine's step costs changed under it (blocked attention, logits memory reused); 4 = cells
-# visited in rotated order and outlying cells visited again
-PROFILER_VERSION = 4
+# visited in rotated order and outlying cells visited again; 5 = the first batch sizes timed
+# densely, the cost model fitted within the grid's bounds (issue 37)
+PROFILER_VERSION = 5
 
 
 @dataclass(slots=True)
@@ -67,6 +75,12 @@ class ProfileSettings:
     warmup_steps: int = 1  # per visit of a (bs, K) cell
     measured_steps: int = 2  # timed steps per visit
     rounds: int = 3  # visits of every (bs, K) cell, in the order `visit_order` gives
+    # the first this many batch sizes are visited max(rounds, dense_rounds) times with
+    # max(measured_steps, dense_measured_steps) timed steps a visit: the cost model's fit and the
+    # policy's close calls lean on them, and they are the cheapest cells to time
+    dense_batch_sizes: int = 0
+    dense_rounds: int = 0
+    dense_measured_steps: int = 0
     revisits: int = 2  # times a cell off its batch size's line in K (`outlying_cells`) is visited again
     catchup_rows: tuple[int, ...] = (1, 2, 4)  # whole prompts per timed drafter catch-up pass
     catchup_repeats: int = 2
@@ -167,13 +181,12 @@ def measure_itl(
     grid"). What a row is worth is the acceptance's business, per token proposed."""
     batch_stats: dict[int, dict[int, float]] = {}
     ks = list(range(settings.max_k + 1))
-    visits = len(settings.batch_sizes) * len(ks) * settings.rounds
-    steps_per_visit = settings.warmup_steps + settings.measured_steps
+    visits = sum(len(ks) * _rounds(settings, i) for i in range(len(settings.batch_sizes)))
 
-    def visit(k: int) -> list[float]:
+    def visit(k: int, measured_steps: int) -> list[float]:
         timed = []
         with _fixed_k(engine, k):
-            for step in range(steps_per_visit):
+            for step in range(settings.warmup_steps + measured_steps):
                 start = time.perf_counter()
                 engine.step()
                 if step >= settings.warmup_steps:
@@ -197,10 +210,10 @@ def measure_itl(
                     settings.batch_sizes[i:],
                 )
                 break
+            rounds, measured_steps = _rounds(settings, i), _measured_steps(settings, i)
             # enough tokens for every visit to run its steps without any request finishing
-            budget = (settings.rounds + settings.revisits) * len(ks) * steps_per_visit * (
-                settings.max_k + 1
-            ) + 8
+            steps_per_visit = settings.warmup_steps + measured_steps
+            budget = (rounds + settings.revisits) * len(ks) * steps_per_visit * (settings.max_k + 1) + 8
             params = SamplingParams(
                 max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0
             )
@@ -209,9 +222,9 @@ def measure_itl(
                 while not all(r.is_decoding for r in requests):  # prefill everyone first
                     engine.step()
             times: dict[int, list[float]] = {k: [] for k in ks}
-            for order in visit_order(ks, settings.rounds):
+            for order in visit_order(ks, rounds):
                 for k in order:
-                    times[k].extend(visit(k))
+                    times[k].extend(visit(k, measured_steps))
                     bar.update(1)
             again: dict[int, list[float]] = {}
             for _ in range(settings.revisits):
@@ -221,7 +234,7 @@ def measure_itl(
                     break
                 bar.total += len(cells)
                 for k in cells:
-                    again.setdefault(k, []).extend(visit(k))
+                    again.setdefault(k, []).extend(visit(k, measured_steps))
                     bar.update(1)
             batch_stats[bs] = {
                 k: round(statistics.median(again.get(k) or t), 3) for k, t in times.items() if t
@@ -233,6 +246,17 @@ def measure_itl(
     if timings is not None:
         timings.extend(run.timings)
     return batch_stats
+
+
+def _rounds(settings: ProfileSettings, index: int) -> int:
+    """Visits of every K at the index-th batch size (more for the first, dense ones)."""
+    dense = index < settings.dense_batch_sizes
+    return max(settings.rounds, settings.dense_rounds) if dense else settings.rounds
+
+
+def _measured_steps(settings: ProfileSettings, index: int) -> int:
+    dense = index < settings.dense_batch_sizes
+    return max(settings.measured_steps, settings.dense_measured_steps) if dense else settings.measured_steps
 
 
 def measure_catchup(engine: Engine, prompts: list, settings: ProfileSettings, timings: list) -> None:
@@ -262,21 +286,29 @@ def measure_catchup(engine: Engine, prompts: list, settings: ProfileSettings, ti
 
 
 def run_profile(
-    engine: Engine, prompts: list, settings: ProfileSettings, meta: dict, progress: bool = True
+    engine: Engine,
+    prompts: list,
+    settings: ProfileSettings,
+    meta: dict,
+    progress: bool = True,
+    name: str = "(being measured)",
 ) -> Profile:
+    """Acceptance, the ITL grid and the cost model; ``name`` (the file it goes to) names the
+    profile in the notice given when its cost model contradicts its grid (``checked_cost_model``:
+    the profile then has no ``cost_model`` and the policy prices passes from the grid)."""
     timings: list[StepTiming] = []
     alpha = measure_acceptance(engine, prompts, settings, progress, timings)
     revisited: dict[int, list[int]] = {}
     batch_stats = measure_itl(engine, prompts, settings, progress, timings, revisited)
     measure_catchup(engine, prompts, settings, timings)
-    return Profile(
+    profile = Profile(
         max_num_speculative_tokens=settings.max_k,
         acceptance_rate_per_pos=[round(a, 4) for a in alpha],
         batch_stats=batch_stats,
         num_speculative_tokens_per_batch_size=derive_table(
             alpha, batch_stats, settings.max_k, engine.config.max_num_seqs
         ),
-        cost_model=fit_timings(timings),
+        cost_model=fit_timings(timings, smooth_itl(batch_stats)),
         meta={
             **meta,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -290,6 +322,9 @@ def run_profile(
                 "warmup_steps": settings.warmup_steps,
                 "measured_steps": settings.measured_steps,
                 "rounds": settings.rounds,
+                "dense_batch_sizes": settings.batch_sizes[: settings.dense_batch_sizes],
+                "dense_rounds": settings.dense_rounds,
+                "dense_measured_steps": settings.dense_measured_steps,
                 "revisits": settings.revisits,
                 "revisited": {str(bs): ks for bs, ks in revisited.items()},
                 "batch_sizes_measured": sorted(batch_stats),
@@ -299,6 +334,8 @@ def run_profile(
             },
         },
     )
+    profile.cost_model = checked_cost_model(profile, name)
+    return profile
 
 
 @contextlib.contextmanager
@@ -341,7 +378,13 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
     10 minutes, most of it the larger sizes' prompts and rows. 12 and 24 are in because a step's cost is not
     linear between 8, 16 and 32: the quantized kernels take 16 rows at a time from 12 rows on, so
     24 plain rows cost nearly what 32 do (196 and 205 ms in the n-gram auto profile here, where a
-    line through 16 and 32 says 162; results/RESULTS.md, "The n-gram grid")."""
+    line through 16 and 32 says 162; results/RESULTS.md, "The n-gram grid").
+
+    The first three batch sizes get three rounds of three timed steps (and the drafter's catch-up two
+    timed passes): they are the cheapest cells (about 15 s more on the AVX-512 EPYC, taken from the
+    same budget) and the ones the cost model's fit and the policy's closest calls rest on. With two
+    steps a cell and one round, a quick draft-pair grid fitted a drafter pass of 75 ms with a negative
+    slope per row where its grid showed ~10 ms, and the policy never drafted (issue 37)."""
     return ProfileSettings(
         batch_sizes=[b for b in (1, 2, 4, 8, 12, 16, 24, 32) if b <= max_num_seqs] or [1],
         max_k=max_k,
@@ -350,8 +393,11 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
         warmup_steps=1,
         measured_steps=2,
         rounds=1,
+        dense_batch_sizes=3,
+        dense_rounds=3,
+        dense_measured_steps=3,
         catchup_rows=(1, 2),
-        catchup_repeats=1,
+        catchup_repeats=2,
         time_budget_s=AUTO_TIME_BUDGET_S,
     )
 
@@ -399,13 +445,19 @@ def auto_profile(engine: Engine, spec: SpeculativeConfig) -> Profile:
         except ValueError as e:
             log.warning("dynaspec: the cached profile is unreadable (%s); profiling again", e)
     settings = auto_settings(key["max_k"], engine.config.max_num_seqs)
+    steps = sum(
+        _rounds(settings, i) * (settings.warmup_steps + _measured_steps(settings, i))
+        for i in range(len(settings.batch_sizes))
+    )
     log.warning(
         "dynaspec: profiling this machine for the goodput K policy (once, about %d steps); cached at %s",
-        len(settings.batch_sizes) * (key["max_k"] + 1) * (settings.warmup_steps + settings.measured_steps),
+        steps * (key["max_k"] + 1),
         path,
     )
     prompts = load_prompts("mixed", chat=True)
-    profile = run_profile(engine, prompts, settings, {"auto_key": key}, progress=engine.config.progress)
+    profile = run_profile(
+        engine, prompts, settings, {"auto_key": key}, progress=engine.config.progress, name=str(path)
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     save_profile(profile, tmp)

@@ -16,14 +16,23 @@ point, where a regression cannot tell an intercept from a slope and puts step no
 slopes (results/RESULTS.md, "live step costs"). Until the drafter has run, it is assumed to drift
 like the target (both share the machine).
 
+A profile's model must agree with its own grid (``grid_misfit``): it is fitted with non-negative
+slopes and intercepts the grid allows (``fit_bounded``, ``GridBounds``), and one that still
+contradicts the grid is replaced by a model fitted on the grid itself (``prior_from_grid``, see
+``kpolicy.profile.checked_cost_model``). A quick profile's noisy steps once fitted a 75 ms drafter
+pass with a negative slope per row where the grid showed ~10 ms, and the policy never drafted
+(issue 37).
+
 The goodput policy uses this two ways: the profile's ITL(bs, K) is multiplied by
 ``drift(bs, K)``, and ``f`` times the drafter's scale prices a request's catch-up.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -46,10 +55,7 @@ class LiveScale:
         self.num_observations = 0
 
     def observe(self, observed_ms: float, predicted_ms: float) -> None:
-        ok = all(
-            isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (observed_ms, predicted_ms)
-        )
-        if not ok:
+        if not (_positive(observed_ms) and _positive(predicted_ms)):
             return
         ratio = min(MAX_DRIFT, max(1.0 / MAX_DRIFT, observed_ms / predicted_ms))
         self.log_sum = self.decay * self.log_sum + math.log(ratio)
@@ -71,22 +77,35 @@ class StepCostModel:
         draft_prior: Sequence[float],
         prior_weight: float = 8.0,
         decay: float = 0.98,
+        shared_scale: bool = False,
     ) -> None:
         self.target_coef = np.asarray(target_prior, dtype=np.float64)
         self.draft_coef = np.asarray(draft_prior, dtype=np.float64)
         self.target_scale = LiveScale(prior_weight, decay)
         self.draft_scale = LiveScale(prior_weight, decay)
+        # one scale for every pass, of the step's passes together (a model priced from the grid)
+        self.shared_scale = shared_scale
 
     def observe(self, timing: StepTiming) -> None:
-        self.target_scale.observe(
-            timing.target_ms, _predict(self.target_coef, (1.0, timing.verify_tokens, timing.prefill_tokens))
-        )
-        for rows, extra, ms in timing.draft_passes:
-            self.draft_scale.observe(ms, _predict(self.draft_coef, (1.0, rows, extra)))
+        target_ms = _predict(self.target_coef, (1.0, timing.verify_tokens, timing.prefill_tokens))
+        passes = [
+            (ms, _predict(self.draft_coef, (1.0, rows, extra))) for rows, extra, ms in timing.draft_passes
+        ]
+        if self.shared_scale:
+            if all(_positive(ms) for ms in (timing.target_ms, *(ms for ms, _ in passes))):
+                observed = timing.target_ms + sum(ms for ms, _ in passes)
+                self.target_scale.observe(observed, target_ms + sum(p for _, p in passes))
+            return
+        self.target_scale.observe(timing.target_ms, target_ms)
+        for ms, predicted in passes:
+            self.draft_scale.observe(ms, predicted)
 
     def scales(self) -> tuple[float, float]:
-        """(target, drafter) live / profiled; the drafter follows the target until it has run."""
+        """(target, drafter) live / profiled; the drafter follows the target until it has run, and
+        always with ``shared_scale``."""
         target = self.target_scale.value
+        if self.shared_scale:
+            return target, target
         return target, (self.draft_scale.value if self.draft_scale.weight >= 1.0 else target)
 
     def itl(self, batch_size: int, k: int, prior: bool = False) -> float:
@@ -121,11 +140,16 @@ class StepCostModel:
             "target_ms": dict(zip(TARGET_FEATURES, (round(float(c), 4) for c in self.target_coef))),
             "draft_pass_ms": dict(zip(DRAFT_FEATURES, (round(float(c), 4) for c in self.draft_coef))),
             "live_scale": {"target": round(target_scale, 4), "draft": round(draft_scale, 4)},
+            "shared_scale": self.shared_scale,
             "observations": {
                 "target": self.target_scale.num_observations,
                 "draft_passes": self.draft_scale.num_observations,
             },
         }
+
+
+def _positive(ms: object) -> bool:
+    return isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0
 
 
 def _predict(coef: np.ndarray, x: Sequence[float]) -> float:
@@ -142,24 +166,145 @@ def fit_linear(xs: Sequence[Sequence[float]], ys: Sequence[float], ridge: float 
     return [round(float(c), 6) for c in coef]
 
 
-def fit_timings(timings: Sequence[StepTiming]) -> dict[str, list[float]]:
-    """The profile's ``cost_model`` section from the steps it timed."""
+def fit_bounded(
+    xs: Sequence[Sequence[float]],
+    ys: Sequence[float],
+    lower: Sequence[float],
+    upper: Sequence[float],
+    ridge: float = 1e-6,
+) -> list[float]:
+    """Least squares (with ``fit_linear``'s whisper of ridge) with each coefficient held in
+    [lower[i], upper[i]] (upper may be ``math.inf``).
+
+    The cost models have 3 or 4 coefficients, so the exact optimum is found by trying every
+    active set: each coefficient free, at its lower bound or at its finite upper bound, the free
+    ones solved by least squares with the others fixed; the best fit whose free coefficients
+    land inside their bounds wins (the optimum of a convex problem over a box is one of them).
+    """
+    if not xs:
+        return []
+    x = np.asarray(xs, dtype=np.float64)
+    y = np.asarray(ys, dtype=np.float64)
+    lo = np.asarray(lower, dtype=np.float64)
+    hi = np.asarray(upper, dtype=np.float64)
+    n = x.shape[1]
+    choices = [("free", "lower", "upper") if math.isfinite(hi[i]) else ("free", "lower") for i in range(n)]
+    best, best_loss = np.clip(np.zeros(n), lo, hi), math.inf
+    for pattern in itertools.product(*choices):
+        coef = np.where(np.array([p == "upper" for p in pattern]), hi, lo).astype(np.float64)
+        free = [i for i, p in enumerate(pattern) if p == "free"]
+        if free:
+            xf = x[:, free]
+            rest = y - np.delete(x, free, axis=1) @ np.delete(coef, free)
+            coef[free] = np.linalg.solve(xf.T @ xf + ridge * np.eye(len(free)), xf.T @ rest)
+            if np.any(coef[free] < lo[free] - 1e-9) or np.any(coef[free] > hi[free] + 1e-9):
+                continue
+        loss = float(np.sum((x @ coef - y) ** 2) + ridge * np.sum(coef**2))
+        if loss < best_loss - 1e-12:
+            best, best_loss = coef, loss
+    return [round(float(c), 6) for c in np.clip(best, lo, hi)]
+
+
+FIT_TOLERANCE = 0.25  # a cost model's ITL(bs, K) may be this far (relative) off the profile's grid ...
+FIT_TOLERANCE_MS = 3.0  # ... or this many ms, whichever is larger
+
+
+@dataclass(slots=True, frozen=True)
+class GridBounds:
+    """What a profile's (smoothed) grid allows its cost model.
+
+    A target pass runs inside every step, so its intercept is at most the cheapest plain step,
+    ``plain_ms``; K drafter passes run inside ITL(bs, K) and not in ITL(bs, 0), so a pass's
+    intercept is at most the cheapest (ITL(bs, K) - ITL(bs, 0)) / K, ``pass_ms``. Both allow the
+    grid check's FIT_TOLERANCE_MS on top (a drafter pass the grid shows as free still costs
+    something).
+    """
+
+    plain_ms: float = math.inf
+    pass_ms: float = math.inf
+
+    @classmethod
+    def of(cls, grid: dict[int, dict[int, float]]) -> GridBounds:
+        plain = [row[0] for row in grid.values() if row.get(0, 0) > 0]
+        passes = [
+            max(0.0, (ms - row[0]) / k)
+            for row in grid.values()
+            if row.get(0, 0) > 0
+            for k, ms in row.items()
+            if k >= 1 and ms > 0
+        ]
+        return cls(
+            min(plain, default=math.inf) + FIT_TOLERANCE_MS, min(passes, default=math.inf) + FIT_TOLERANCE_MS
+        )
+
+    def clamp(self, target: Sequence[float], draft: Sequence[float]) -> tuple[list[float], list[float]]:
+        """Slopes made non-negative, intercepts put in [0, their bound]."""
+        a, *target_slopes = target
+        d, *draft_slopes = draft
+        return (
+            [min(max(0.0, a), self.plain_ms), *(max(0.0, c) for c in target_slopes)],
+            [min(max(0.0, d), self.pass_ms), *(max(0.0, c) for c in draft_slopes)],
+        )
+
+
+def grid_misfit(
+    target: Sequence[float], draft: Sequence[float], grid: dict[int, dict[int, float]]
+) -> list[tuple[int, int, float, float]]:
+    """The grid's cells that a cost model contradicts: (bs, K, predicted ms, measured ms).
+
+    The model predicts the passes, bs*(K+1) verified tokens after K drafter passes over bs rows;
+    a step also samples, verifies and schedules, which the passes do not time. So the model may
+    sit below the grid by one constant step overhead (the median gap, never negative: passes
+    cannot take longer than the steps that hold them), and beyond that every known cell must be
+    within FIT_TOLERANCE or FIT_TOLERANCE_MS of the grid.
+    """
+    cells = [(bs, k, ms) for bs, row in grid.items() for k, ms in row.items() if ms > 0]
+    if not cells:
+        return []
+    predicted = [
+        _predict(np.asarray(target), (1.0, bs * (k + 1), 0.0))
+        + (k * _predict(np.asarray(draft), (1.0, bs, 0.0)) if k else 0.0)
+        for bs, k, _ in cells
+    ]
+    overhead = max(0.0, float(np.median([ms - p for (_, _, ms), p in zip(cells, predicted)])))
+    return [
+        (bs, k, round(p + overhead, 3), ms)
+        for (bs, k, ms), p in zip(cells, predicted)
+        if abs(p + overhead - ms) > max(FIT_TOLERANCE * ms, FIT_TOLERANCE_MS)
+    ]
+
+
+def fit_timings(
+    timings: Sequence[StepTiming], grid: dict[int, dict[int, float]] | None = None
+) -> dict[str, list[float]]:
+    """The profile's ``cost_model`` section from the steps it timed: slopes non-negative,
+    intercepts non-negative and, given the profile's (smoothed) grid, within its ``GridBounds``."""
+    bounds = GridBounds.of(grid) if grid else GridBounds()
     tx = [(1.0, t.verify_tokens, t.prefill_tokens) for t in timings if t.target_ms > 0]
     ty = [t.target_ms for t in timings if t.target_ms > 0]
     passes = [p for t in timings for p in t.draft_passes if p[2] > 0]
     return {
-        "target_ms": fit_linear(tx, ty),
-        "draft_pass_ms": fit_linear([(1.0, r, e) for r, e, _ in passes], [ms for _, _, ms in passes])
+        "target_ms": fit_bounded(tx, ty, [0.0] * 3, [bounds.plain_ms, math.inf, math.inf]),
+        "draft_pass_ms": fit_bounded(
+            [(1.0, r, e) for r, e, _ in passes],
+            [ms for _, _, ms in passes],
+            [0.0] * 3,
+            [bounds.pass_ms, math.inf, math.inf],
+        )
         if passes
         else [0.0, 0.0, 0.0],
     }
 
 
 def prior_from_grid(batch_stats: dict[int, dict[int, float]]) -> tuple[list[float], list[float]]:
-    """A prior for profiles without a ``cost_model``: fit ITL = a + b*bs*(K+1) + K*(d + e*bs) on the grid.
+    """A cost model priced from the grid itself (profiles without a ``cost_model``, or whose
+    model contradicts their grid): fit ITL = a + b*bs*(K+1) + K*(d + e*bs) on the grid, slopes
+    non-negative, intercepts within ``GridBounds`` (pass the smoothed grid).
 
     The grid has no prefill or catch-up, so their slopes are guessed from the decode ones
-    (prefill token = verify token, catch-up token = half a drafter row).
+    (prefill token = verify token, catch-up token = half a drafter row). The intercept a holds
+    the step's overhead too, which live target passes do not time: a model from the grid is
+    rescaled live by one scale for all passes (``StepCostModel(shared_scale=True)``).
     """
     xs, ys = [], []
     for bs, row in batch_stats.items():
@@ -169,5 +314,6 @@ def prior_from_grid(batch_stats: dict[int, dict[int, float]]) -> tuple[list[floa
                 ys.append(ms)
     if len(xs) < 4:
         return [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
-    a, b, d, e = (max(0.0, c) for c in fit_linear(xs, ys))
-    return [a, b, b], [d, e, e / 2]
+    bounds = GridBounds.of(batch_stats)
+    a, b, d, e = fit_bounded(xs, ys, [0.0] * 4, [bounds.plain_ms, math.inf, bounds.pass_ms, math.inf])
+    return [a, b, b], [d, e, round(e / 2, 6)]

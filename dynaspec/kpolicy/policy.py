@@ -24,6 +24,7 @@ from dynaspec.kpolicy.cost import StepCostModel, prior_from_grid
 from dynaspec.kpolicy.profile import (
     Profile,
     acceptance_length,
+    checked_cost_model,
     interpolate_itl,
     load_profile,
     smooth_itl,
@@ -402,6 +403,7 @@ class GoodputK:
         per_request: bool = True,
         min_confidence: float | None = None,
         explore_below: float = 4.0,
+        source: str = "(given in memory)",
         **estimate_kwargs,
     ) -> None:
         self.profile = profile
@@ -413,12 +415,11 @@ class GoodputK:
         self.hysteresis = Hysteresis(hysteresis_steps)
         self.k_by_batch_size: dict[int, int] = {}
         if cost_model is None:
-            if profile.cost_model is not None:
-                cost_model = StepCostModel(
-                    profile.cost_model["target_ms"], profile.cost_model["draft_pass_ms"]
-                )
-            else:
-                cost_model = StepCostModel(*prior_from_grid(profile.batch_stats))
+            checked = checked_cost_model(profile, source)
+            if checked is not None:
+                cost_model = StepCostModel(checked["target_ms"], checked["draft_pass_ms"])
+            else:  # priced from the grid: its intercept holds the step overhead, so one live scale
+                cost_model = StepCostModel(*prior_from_grid(self.itl_grid), shared_scale=True)
         self.costs = cost_model
         self.per_request = per_request
         self.requests = RequestAcceptance()
@@ -508,7 +509,7 @@ class GoodputK:
         """``drafted_cost`` at one load, memoized: the grid's row at bs and the drafter's passes
         read once, for the many sets of layers one choice prices."""
         row = [self.itl(bs, k) for k in range(self.max_k + 1)] if bs > 0 else []
-        draft_pass = functools.cache(self.costs.draft_pass_ms)
+        draft_pass = functools.cache(self._pass_pricer(bs, row))
 
         @functools.cache
         def cost(layers: tuple[int, ...]) -> float:
@@ -526,6 +527,17 @@ class GoodputK:
             return target + sum(draft_pass(rows) for rows in layers if rows)
 
         return cost
+
+    def _pass_pricer(self, bs: int, row: list[float | None]) -> Callable[[int], float]:
+        """``StepCostModel.draft_pass_ms`` at a load of bs, scaled down where K passes over bs rows
+        would cost more than the grid's row lets them: (ITL(bs, K) - ITL(bs, 0)) / K for every K
+        (a drafter pass runs inside that difference). A cost model that agrees with the grid is
+        left as it is; one that does not cannot price a uniform K above the grid's own step."""
+        full = self.costs.draft_pass_ms(bs)
+        room = [(t - row[0]) / k for k, t in enumerate(row) if k and t is not None and row[0] is not None]
+        ceiling = max(0.0, min(room, default=full))
+        factor = ceiling / full if full > ceiling else 1.0
+        return lambda rows: self.costs.draft_pass_ms(rows) * factor
 
     def _scores(
         self,
@@ -620,6 +632,7 @@ def make_policy(config: SpeculativeConfig, profile: Profile | None = None) -> KP
             config.hysteresis_steps,
             per_request=config.per_request_k,
             min_confidence=None if confidence in (None, "auto") else confidence,
+            source=str(config.dynamic_config_path or "(given in memory)"),
         )
     fixed = confidence if isinstance(confidence, float) else 0.0
     if config.num_speculative_tokens_per_batch_size is not None:

@@ -11,13 +11,15 @@
 ``batch_stats`` holds ITL(bs, K), the median engine step time in milliseconds. ``cost_model``
 (optional) holds the pass-time coefficients fitted on every step the profiler timed (see
 ``dynaspec.kpolicy.cost``): target ms = a + b*verify_tokens + c*prefill_tokens, drafter pass ms =
-d + e*rows + f*catch-up tokens.
+d + e*rows + f*catch-up tokens. A model that contradicts the grid it came with is repaired or
+dropped on load (``checked_cost_model``): the grid is what was measured.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import asdict, field
@@ -27,6 +29,9 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
+from dynaspec.kpolicy.cost import FIT_TOLERANCE, FIT_TOLERANCE_MS, GridBounds, grid_misfit
+
+log = logging.getLogger(__name__)
 COST_MODEL_KEYS = ("target_ms", "draft_pass_ms")
 
 
@@ -80,7 +85,7 @@ def load_profile(path: str | Path) -> Profile:
     if not isinstance(d, dict):
         raise ValueError(f"profile {path}: (top level): must be a JSON object")
     try:
-        return Profile(**{"acceptance_rate_per_pos": [], "batch_stats": {}, **d})
+        profile = Profile(**{"acceptance_rate_per_pos": [], "batch_stats": {}, **d})
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"]) or "(top level)"
@@ -88,6 +93,53 @@ def load_profile(path: str | Path) -> Profile:
         raise ValueError(f"profile {path}: {where}: {message}") from None
     except TypeError as e:  # a required field missing
         raise ValueError(f"profile {path}: {e}") from None
+    profile.cost_model = checked_cost_model(profile, str(path))
+    return profile
+
+
+def checked_cost_model(profile: Profile, name: str) -> dict[str, list[float]] | None:
+    """The profile's ``cost_model`` made to agree with its (smoothed) grid, or None where it
+    cannot: then the policy prices passes from the grid itself (``cost.prior_from_grid``).
+
+    Negative slopes are set to 0 and intercepts put within what the grid allows
+    (``cost.GridBounds``); the result must then predict every cell of the grid within
+    ``cost.FIT_TOLERANCE`` (or ``FIT_TOLERANCE_MS``) after one constant step overhead
+    (``cost.grid_misfit``). A repair or a fallback is logged as a warning naming the profile.
+    A profile without a grid keeps its model as it is.
+    """
+    model = profile.cost_model
+    if model is None or not profile.batch_stats:
+        return model
+    grid = smooth_itl(profile.batch_stats)
+    target, draft = GridBounds.of(grid).clamp(model["target_ms"], model["draft_pass_ms"])
+    misfit = grid_misfit(target, draft, grid)
+    if misfit:
+        bs, k, predicted, measured = max(misfit, key=lambda c: abs(c[2] - c[3]) / c[3])
+        log.warning(
+            "dynaspec: profile %s: its cost model (target %s, drafter pass %s ms) contradicts its ITL "
+            "grid at %d cells (worst ITL(%d, %d): %.1f ms predicted, %.1f measured; tolerance %.0f%% "
+            "or %.0f ms); pricing passes from the grid instead",
+            name,
+            model["target_ms"],
+            model["draft_pass_ms"],
+            len(misfit),
+            bs,
+            k,
+            predicted,
+            measured,
+            100 * FIT_TOLERANCE,
+            FIT_TOLERANCE_MS,
+        )
+        return None
+    repaired = {"target_ms": target, "draft_pass_ms": draft}
+    if repaired != model:
+        log.warning(
+            "dynaspec: profile %s: cost model repaired to agree with its ITL grid (slopes >= 0, "
+            "intercepts the grid allows): %s",
+            name,
+            repaired,
+        )
+    return repaired
 
 
 def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k: int) -> float | None:
