@@ -16,6 +16,7 @@ import argparse
 import time
 
 from dynaspec.bench.common import command_args, format_table, write_result
+from dynaspec.engine.args import add_load_format_arg
 
 
 def add_parser(sub) -> None:
@@ -33,6 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="batches per batch size (different prompts)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    add_load_format_arg(p)
     p.add_argument(
         "--engines",
         default="dynaspec,llama.cpp",
@@ -66,17 +68,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--engines: dynaspec first, then any of {', '.join(ENGINES[1:])}; got {args.engines!r}"
         )
+    if args.load_format == "dummy" and names != ["dynaspec"]:
+        raise ValueError("--load-format dummy: --engines dynaspec only (the references read the weights)")
     engine = Engine(
         EngineConfig(
             model=args.model,
             dtype=args.dtype,
             quantization=args.quantization,
+            load_format=args.load_format,
             max_num_seqs=max(sizes),
             # 64 KB a token of context: twice the 1.5B's K/V, room for a larger model's
             kv_cache_memory_gb=1.0 + max(sizes) * (args.context + args.max_tokens) * 64e3 / 1e9,
         )
     )
-    source = resolve_model(args.model)
+    source = resolve_model(args.model, load_format=args.load_format)
     prompts = load_prompts(args.dataset, chat=True)
     text_ids = (
         engine.tokenizer.encode("\n".join(load_prompts(args.dataset, chat=False))) if args.context else []

@@ -12,6 +12,7 @@ import gc
 import time
 
 from dynaspec.bench.common import command_args, format_table, write_result
+from dynaspec.engine.args import add_load_format_arg
 
 
 def add_parser(sub) -> None:
@@ -54,6 +55,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--no-hf", action="store_true", help="skip transformers (plain and assisted generation)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    add_load_format_arg(p)
     p.add_argument("--result-file", default="results/bench_spec.json")
     p.set_defaults(func=run)
 
@@ -68,8 +70,18 @@ def run(args: argparse.Namespace) -> int:
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
     if not ks or min(ks) < 0 or max(ks) < 1:
         raise ValueError("--ks: need comma-separated integers >= 0, at least one >= 1")
+    if args.load_format == "dummy" and not (args.no_hf and args.no_llamacpp):
+        raise ValueError(
+            "--load-format dummy: add --no-hf and --no-llamacpp (the references read the weights)"
+        )
     prompts = load_prompts(args.dataset, chat=True)[: args.num_prompts]
-    base = dict(dtype=args.dtype, quantization=args.quantization, max_num_seqs=1, kv_cache_memory_gb=1.0)
+    base = dict(
+        dtype=args.dtype,
+        quantization=args.quantization,
+        load_format=args.load_format,
+        max_num_seqs=1,
+        kv_cache_memory_gb=1.0,
+    )
     draft_spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": max(ks)}
     if args.draft_quantization:
         draft_spec["draft_quantization"] = args.draft_quantization

@@ -66,12 +66,19 @@ def build_server(args: argparse.Namespace):
     (app, backend)."""
     from dynaspec.engine.args import check_at_least
     from dynaspec.engine.engine import Engine, EngineConfig
+    from dynaspec.kpolicy.config import SpeculativeConfig
     from dynaspec.server.app import build_app
     from dynaspec.server.middleware import GuardConfig
 
     check_at_least(("--max-body-bytes", args.max_body_bytes, 1), ("--max-waiting", args.max_waiting, 0))
     if args.shutdown_timeout < 0 or args.stats_interval < 0:
         raise ValueError("--shutdown-timeout and --stats-interval: must be >= 0")
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is not None and spec.synthetic_acceptance_rate is not None:
+        raise ValueError(
+            "speculative_config.synthetic_acceptance_rate: serve refuses it: it accepts drafts whatever "
+            "their tokens, so outputs are not the target's (use it with profile, generate or bench)"
+        )
     config = EngineConfig(model=args.model, **engine_kwargs(args))
     if args.replicas is not None:
         backend = _replica_client(args, config)

@@ -31,6 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
         help="activations (auto: float32 around quantized layers, bfloat16 for dense ones)",
     )
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    add_load_format_arg(g)
     g.add_argument("--max-num-seqs", type=int, default=32, help="cap on running requests")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
@@ -43,12 +44,23 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_config=args.speculative_config,
         dtype=args.dtype,
         quantization=args.quantization,
+        load_format=args.load_format,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         seed=args.seed,
+    )
+
+
+def add_load_format_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto: the model's weights; dummy: random weights of the model's shape (from its config: "
+        "a pack needs no download), no weight file read: for profiling and benchmarking a machine",
     )
 
 

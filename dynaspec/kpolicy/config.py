@@ -6,8 +6,9 @@ refused, and every error names its field as ``speculative_config.<field>: ...``.
 
 from __future__ import annotations
 
+import itertools
 import json
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,7 @@ from pydantic.dataclasses import dataclass
 
 METHODS = ("draft_model", "ngram")
 TABLE = "num_speculative_tokens_per_batch_size"
+SYNTHETIC = "synthetic_acceptance_rate"
 # a draft model's window when the config names none: acceptance on long code outputs 0.788 against
 # the whole context's 0.801, for a drafter pass that no longer grows with the context
 DEFAULT_DRAFT_CONTEXT_WINDOW = 256
@@ -51,6 +53,13 @@ class SpeculativeConfig:
     # to catch up and what each of its tokens attends to stay flat as the request grows; default
     # DEFAULT_DRAFT_CONTEXT_WINDOW, 0 for the whole context
     draft_context_window: int | None = Field(default=None, ge=0)
+    # the drafter's weights (`--load-format`): "dummy" makes random ones of its shape and reads no
+    # weight file; default: the target's
+    load_format: Literal["auto", "dummy"] | None = None
+    # not lossless: verification accepts drafts at these rates whatever the tokens (α_1 >= α_2 >= ...
+    # in (0, 1], unconditional as the profile's; or one number a: α_i = a^i), so that the cost of every
+    # K can be profiled and swept with dummy weights; `serve` refuses it
+    synthetic_acceptance_rate: float | tuple[float, ...] | None = None
 
     @property
     def context_window(self) -> int | None:
@@ -70,6 +79,29 @@ class SpeculativeConfig:
             return self.draft_quantization
         return DEFAULT_DRAFT_QUANTIZATION if device_type == "cpu" else target
 
+    def for_target(self, load_format: str) -> SpeculativeConfig:
+        """This config with the target's ``load_format`` as the drafter's where it names none."""
+        if self.method != "draft_model" or self.load_format is not None:
+            return self
+        return replace(self, load_format=load_format)
+
+    @field_validator("synthetic_acceptance_rate")
+    @classmethod
+    def _synthetic(cls, rates: float | tuple[float, ...] | None) -> float | tuple[float, ...] | None:
+        if rates is None:
+            return None
+        values = rates if isinstance(rates, tuple) else (rates,)
+        if not values:
+            raise ValueError("must be a number in (0, 1] or a non-empty list of them")
+        bad = next((a for a in values if not 0.0 < a <= 1.0), None)
+        if bad is not None:
+            raise ValueError(f"rates must be in (0, 1], got {bad!r}")
+        if any(later > earlier for earlier, later in itertools.pairwise(values)):
+            raise ValueError(
+                f"per-position rates must not increase (alpha_1 >= alpha_2 >= ...), got {list(values)}"
+            )
+        return rates
+
     @field_validator(TABLE)
     @classmethod
     def _table(
@@ -86,7 +118,14 @@ class SpeculativeConfig:
                 "model: required for method draft_model: a pack name, HF directory or .gguf file"
             )
         if self.method != "draft_model":
-            for name in ("model", "draft_quantization", "draft_vocab_size", "draft_context_window"):
+            drafter_only = (
+                "model",
+                "draft_quantization",
+                "draft_vocab_size",
+                "draft_context_window",
+                "load_format",
+            )
+            for name in drafter_only:
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}: only applies to method draft_model")
         if self.num_speculative_tokens is None and self.dynamic_config_path is None:
@@ -138,6 +177,9 @@ class SpeculativeConfig:
             if bad is not None:
                 raise _err(TABLE, f"range {table.index(bad)} must be [lo, hi, K] integers, got {list(bad)!r}")
             d = {**d, TABLE: tuple(tuple(r) for r in table)}
+        rates = d.get(SYNTHETIC)
+        if isinstance(rates, list):  # JSON's array, as the strict tuple field takes it
+            d = {**d, SYNTHETIC: tuple(rates)}
         try:
             return cls(**d)
         except ValidationError as e:
@@ -147,6 +189,8 @@ class SpeculativeConfig:
         d = asdict(self)
         if d[TABLE] is not None:
             d[TABLE] = [list(r) for r in d[TABLE]]
+        if isinstance(d[SYNTHETIC], tuple):
+            d[SYNTHETIC] = list(d[SYNTHETIC])
         return {k: v for k, v in d.items() if v is not None}
 
 

@@ -1,4 +1,5 @@
-"""Where a model's tensors come from: a GGUF file read in place, or a Hugging Face directory.
+"""Where a model's tensors come from: a GGUF file read in place, a Hugging Face directory, or
+random values made on the device (a dummy model's).
 
 Both are read lazily by Hugging Face parameter name, so a model is built one tensor at a time and
 never holds a second full copy of its weights. A GGUF tensor comes back as its own quantized blocks
@@ -12,6 +13,7 @@ files are written without it. `GgufCheckpoint` undoes it, on the quantized rows 
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,65 @@ class StateDictCheckpoint(Checkpoint):
 
     def get(self, name: str) -> Tensor:
         return self.weights[name]
+
+
+DUMMY_STD = 0.02  # a dummy weight's standard deviation (as models are initialized for training)
+
+
+class DummyCheckpoint(Checkpoint):
+    """Random tensors of a config's shapes, made on ``device`` in ``dtype`` when asked for: weights
+    and biases normal(0, DUMMY_STD), norm weights one (so activations keep their scale and the logits
+    are not degenerate). Each tensor's values depend only on its name and ``seed``, so a model is
+    the same whatever order it is built in."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+        self.shapes = hf_tensor_shapes(config)
+        self.names = frozenset(self.shapes)
+        self.dtype, self.device, self.seed = dtype, device, seed
+
+    def get(self, name: str) -> Tensor:
+        shape = self.shapes[name]
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(self.seed * 2**32 + zlib.crc32(name.encode()))
+        value = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return value.normal_(0.0, DUMMY_STD, generator=generator)
+
+
+def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint of this config: Hugging Face name -> shape."""
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer: dict[str, tuple[int, ...]] = {
+        "self_attn.q_proj.weight": (q, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, q),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+    if config.attention_bias:
+        per_layer |= {
+            "self_attn.q_proj.bias": (q,),
+            "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.bias": (kv,),
+        }
+    if config.qk_norm:
+        per_layer |= {"self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)}
+    shapes = {
+        f"model.layers.{i}.{name}": shape
+        for i in range(config.num_hidden_layers)
+        for name, shape in per_layer.items()
+    }
+    shapes["model.embed_tokens.weight"] = (config.vocab_size, hidden)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
 
 
 class GgufCheckpoint(Checkpoint):

