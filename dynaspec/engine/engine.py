@@ -19,6 +19,7 @@ from dynaspec.engine.request import Request, RequestOutput
 from dynaspec.engine.runner import ModelRunner
 from dynaspec.engine.sampler import SamplingTensors, score_prompts
 from dynaspec.engine.scheduler import Scheduler
+from dynaspec.engine.static_pass import StepClock
 from dynaspec.engine.types import KPolicy, StepRecord, StepTiming
 from dynaspec.kpolicy.config import SpeculativeConfig
 from dynaspec.kpolicy.policy import FixedK, make_policy
@@ -29,6 +30,7 @@ from dynaspec.sampling_params import SamplingParams
 from dynaspec.spec_decode.proposer import ProposerContext, make_proposer
 from dynaspec.spec_decode.rejection import verify
 from dynaspec.spec_decode.stats import SpecStats
+from dynaspec.spec_decode.synthetic import SyntheticAcceptance
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ class EngineConfig:
     # float32 everywhere is the exactness reference.
     dtype: str = "auto"
     quantization: str = "auto"  # auto: a GGUF's own blocks, dense for HF directories; none, int8, int4
+    load_format: str = "auto"  # auto: the model's weights; dummy: random ones of its shape (benchmarks)
     device: str = "auto"  # auto: cuda if present, else cpu
     max_num_seqs: int = 32
     max_model_len: int | None = None  # default: the model's context, capped by the KV budget
@@ -49,6 +52,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     seed: int = 0  # seeds requests that give no seed of their own
     progress: bool = True
+    # decode-only steps on fixed shapes (engine/static_pass.py): None = on CUDA only
+    static_decode: bool | None = None
+    enforce_eager: bool = False  # vLLM's flag: no CUDA graphs (the fixed-shape steps run eagerly)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -100,7 +106,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = config.torch_device
-        source = resolve_model(config.model, progress=config.progress)
+        source = resolve_model(config.model, progress=config.progress, load_format=config.load_format)
         self.quantization = effective_quantization(config.quantization, source.is_gguf, device)
         dtype, kv_dtype = compute_dtypes(config.dtype, self.quantization)
         self.dtype, self.kv_dtype = dtype, kv_dtype
@@ -110,8 +116,9 @@ class Engine:
             model = load_model(source, config.quantization, dtype, device, progress=config.progress)
             self.tokenizer = tokenizer.result()
         model_config = self.model_config = model.config
+        spec = config.speculative_config
         self.proposer = make_proposer(
-            config.speculative_config,
+            spec.for_target(config.load_format) if spec is not None else None,
             ProposerContext(
                 self.tokenizer, dtype, device, config.block_size, config.quantization, kv_dtype, config.dtype
             ),
@@ -128,6 +135,13 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.runner = ModelRunner(model, num_blocks * config.block_size, config.block_size, kv_dtype, device)
         self.proposer.allocate_kv(num_blocks * config.block_size)
+        self.device = device
+        self._clock = StepClock(device)
+        rates = spec.synthetic_acceptance_rate if spec is not None else None
+        # not lossless: drafts accepted at given rates whatever the tokens (benchmarks with dummy weights)
+        self._synthetic: SyntheticAcceptance | None = None
+        self.set_synthetic_acceptance(rates)
+        self.graph_stats = self._enable_static()
         self.scheduler = Scheduler(
             self.allocator,
             config.max_num_seqs,
@@ -147,6 +161,33 @@ class Engine:
             self._reset_counters()  # the profiling steps are not the user's
         elif spec is not None:
             self._k_policy = make_policy(spec)
+
+    def _enable_static(self) -> dict:
+        """Decode-only steps on fixed shapes, captured as CUDA graphs for every batch bucket and K
+        (on CUDA, unless ``enforce_eager``): capture time and graph memory, or {} when off."""
+        config = self.config
+        on = config.static_decode if config.static_decode is not None else self.device.type == "cuda"
+        if not on:
+            return {}
+        spec = config.speculative_config
+        max_k = (spec.num_speculative_tokens or AUTO_MAX_K) if spec is not None else 0
+        static = self.runner.enable_static(config.max_num_seqs, max_k + 1, self.max_model_len)
+        if max_k:
+            self.proposer.enable_static(config.max_num_seqs, max_k, self.max_model_len)
+        if self.device.type != "cuda" or config.enforce_eager:
+            return {"graphs": 0}
+        start, before = time.perf_counter(), torch.cuda.memory_allocated(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        static.capture(pool)
+        self.proposer.capture(pool)
+        torch.cuda.synchronize(self.device)
+        stats = {
+            "graphs": len(static.graphs.graphs),
+            "capture_s": round(time.perf_counter() - start, 2),
+            "graph_memory_gib": round((torch.cuda.memory_allocated(self.device) - before) / 2**30, 3),
+        }
+        log.info("captured CUDA graphs: %s", stats)
+        return stats
 
     def _reset_counters(self) -> None:
         """Statistics, request ids and seeds start afresh (after the engine's own profiling)."""
@@ -217,6 +258,12 @@ class Engine:
         previous, self._k_policy = self._k_policy, policy
         return previous
 
+    def set_synthetic_acceptance(self, rates: float | list[float] | None) -> None:
+        """Accept drafts at these rates whatever the tokens (not lossless: benchmarks with dummy
+        weights; ``synthetic_acceptance_rate``), or verify them (None)."""
+        seed = self.config.seed
+        self._synthetic = SyntheticAcceptance(rates, seed=seed) if rates is not None else None
+
     @contextlib.contextmanager
     def recording(self) -> Iterator[Recording]:
         """Statistics and pass timings of the steps taken inside the block only (one run's)."""
@@ -236,20 +283,16 @@ class Engine:
         # temperature, top-k/p, penalties, seeds and logprobs wanted per row
         sampling = SamplingTensors.of(plan.sampled, self.model_config.vocab_size, self.device)
         drafts = self.proposer.propose(plan, sampling)  # up to k_caps[i] draft tokens per decode
-        start = time.perf_counter()
+        start = self._clock.mark()
         logits = self.runner.forward(plan, drafts)  # one target pass: last tokens + drafts + prefills
-        target_ms = self._elapsed_ms(start)
-        result = verify(logits.sampled, drafts, sampling)  # accepted drafts + one token each, logprobs
+        end = self._clock.mark()
+        # accepted drafts + one token each, logprobs
+        result = verify(logits.sampled, drafts, sampling, self._synthetic)
         result.prompt_logprobs = score_prompts(logits.prompts, plan.prefills)  # for prompt_logprobs
         self.proposer.commit(plan, result)  # e.g. draft-model KV catch-up
-        timing = StepTiming.of(plan, result, target_ms, drafts.passes)
-        self._observe(StepRecord(plan, result, timing, drafts.confidence))
+        timing = StepTiming.of(plan, result, self._clock.ms(start, end), drafts.timed_passes())
+        self._observe(StepRecord(plan, result, timing, result.draft_confidence))
         return self.scheduler.update(plan, result)  # append, finish, free KV
-
-    def _elapsed_ms(self, start: float) -> float:
-        if self.device.type == "cuda":  # kernels are asynchronous: time what really ran
-            torch.cuda.synchronize(self.device)
-        return (time.perf_counter() - start) * 1000
 
     def _observe(self, record: StepRecord) -> None:
         c = self.counters

@@ -81,18 +81,32 @@ class SamplingTensors:
     penalties: Penalties | None = None  # None when no row uses a penalty or a logit bias
     num_logprobs: list[int | None] = field(default_factory=list)  # [batch] top alternatives wanted
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy, without penalties or logprobs: the argmax alone decides its tokens."""
+        return self.all_greedy and self.penalties is None and all(n is None for n in self.num_logprobs)
+
     @classmethod
     def of(cls, requests: list[Request], vocab_size: int, device: torch.device) -> SamplingTensors:
         params = [r.params for r in requests]
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            temperature=to_device([p.temperature for p in params], torch.float32, device),
+            top_k=to_device([p.top_k for p in params], torch.long, device),
+            top_p=to_device([p.top_p for p in params], torch.float32, device),
             generators=[r.generator for r in requests],
             all_greedy=all(p.greedy for p in params),
             penalties=Penalties.of(requests, vocab_size, device),
             num_logprobs=[p.logprobs for p in params],
         )
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting: on CUDA through pinned memory, asynchronously
+    (a copy from pageable memory would wait for the device to finish its queued work)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def apply_penalties(

@@ -8,7 +8,7 @@ imports torch at run time, so the K-choice package (plain Python) can use these 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -69,6 +69,16 @@ class DraftPass(NamedTuple):
 
 
 @dataclass(slots=True)
+class DeviceDrafts:
+    """What a drafter that ran on fixed shapes (a CUDA graph) knows only on the device until the
+    step's one copy back: how many drafts each row keeps (confidence stops) and their confidence."""
+
+    lens: torch.Tensor  # [num_decodes] int64 drafts kept per decode (<= Drafts.draft_lens[i])
+    confidence: torch.Tensor  # [num_decodes, k] float32 the drafter's top probability per position
+    timer: Callable[[], list[DraftPass]]  # the drafter's passes, timed (call after the step's wait)
+
+
+@dataclass(slots=True)
 class Drafts:
     """The draft tokens for a step's decodes (row i belongs to ``plan.decodes[i]``)."""
 
@@ -79,10 +89,17 @@ class Drafts:
     # [num_decodes][draft_lens[i]] the drafter's top probability at each draft position; None for
     # proposers without a distribution (n-gram)
     confidence: list[list[float]] | None = None
+    # set by a drafter on fixed shapes: draft_lens then holds each decode's cap, and the lengths
+    # kept and the confidences come back with the step's results
+    pending: DeviceDrafts | None = None
 
     @property
     def k(self) -> int:
         return self.token_ids.shape[1]
+
+    def timed_passes(self) -> list[DraftPass]:
+        """The drafter's passes with their times (after the step's results came back)."""
+        return self.passes if self.pending is None else self.pending.timer()
 
 
 class TokenLogprob(NamedTuple):
@@ -117,6 +134,9 @@ class StepResult:
     # per plan.sampled request: one TokenLogprob per emitted token, or None if it asked for none
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # request id -> scored
+    # [num_decodes][draft_lens[i]] the drafter's top probability at each verified draft position,
+    # where the drafter has one and it came back with the results (Drafts.pending); else None
+    draft_confidence: list[list[float]] | None = None
 
     @property
     def num_accepted(self) -> list[int]:

@@ -46,6 +46,20 @@ class RowwisePlan:
 
 
 @dataclass(slots=True)
+class DecodeMetadata:
+    """Attention for a step of fixed shape: ``b`` sequences of ``query_len`` new tokens each, laid out
+    row by row (sequence i's tokens are rows i * query_len ..), every tensor on the device and of a
+    size fixed by (b, query_len), so the pass can be captured as a CUDA graph and replayed."""
+
+    slot_mapping: torch.Tensor  # [b * query_len] int64 cache slot of each new token; -1: not written
+    block_table: torch.Tensor  # [b, max_blocks] int32 cache blocks of each sequence
+    seq_lens: torch.Tensor  # [b] int32 tokens of each sequence's context, its new ones included
+    query_len: int
+    block_size: int
+    window: int | None = None  # a drafter's draft_context_window (attention sinks + the last window)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot each new token's K/V is written to
     groups: list[AttentionGroup]  # empty when rowwise is set

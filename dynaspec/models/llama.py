@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynaspec.models.attention import AttentionMetadata, paged_attention
+from dynaspec.models import fused_ops
+from dynaspec.models.attention import SINK_TOKENS, AttentionMetadata, DecodeMetadata, paged_attention
 from dynaspec.models.config import ModelConfig
 from dynaspec.models.qlinear import QuantLinear, kernel_error
 
@@ -148,6 +149,41 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
+    def decode(
+        self,
+        x: torch.Tensor,  # [b * query_len, hidden]
+        cos: torch.Tensor,  # [b * query_len, head_dim] float32
+        sin: torch.Tensor,  # [b * query_len, head_dim] float32
+        k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        meta: DecodeMetadata,
+    ) -> torch.Tensor:  # [b * query_len, hidden]
+        """``forward`` for a step of fixed shape, through the fused ops."""
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = fused_ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps)
+            k = fused_ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps)
+            q = q.view(n, self.num_heads, self.head_dim)
+            k = k.view(n, self.num_kv_heads, self.head_dim)
+        q = fused_ops.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)[0]
+        out = fused_ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_table,
+            meta.seq_lens,
+            meta.query_len,
+            meta.block_size,
+            self.head_dim**-0.5,
+            window=meta.window,
+            sink_tokens=SINK_TOKENS,
+        )
+        return self.o_proj(out.reshape(n, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -259,6 +295,35 @@ class LlamaModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta)
         return self.model.norm.add_forward(x, residual)[1]
+
+    @torch.inference_mode()
+    def forward_decode(
+        self,
+        input_ids: torch.Tensor,  # [b * query_len]
+        positions: torch.Tensor,  # [b * query_len]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: k, v [num_slots, kv_heads, head_dim]
+        meta: DecodeMetadata,
+    ) -> torch.Tensor:  # [b * query_len, hidden]
+        """The pass over a step of fixed shape (``DecodeMetadata``) through the fused ops
+        (models/fused_ops.py: Triton kernels on CUDA, their torch twins elsewhere): about ten
+        kernels a layer, no host sync, every shape fixed by (b, query_len), so it can be captured."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        cos, sin = cos[:, 0], sin[:, 0]  # [n, head_dim]
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+            norm = layer.input_layernorm
+            if residual is None:
+                residual, h = x, fused_ops.rms_norm(x, norm.weight, norm.eps)
+            else:
+                residual, h = fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+            h = layer.self_attn.decode(h, cos, sin, k_cache, v_cache, meta)
+            norm = layer.post_attention_layernorm
+            residual, h = fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+            mlp = layer.mlp
+            x = mlp.down_proj(fused_ops.silu_mul(mlp.gate_up_proj(h)))
+        norm = self.model.norm
+        return fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32

@@ -30,13 +30,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from dynaspec.engine.kv_cache import kv_bytes_per_token
-from dynaspec.engine.runner import ModelRunner, TokenRun
+from dynaspec.engine.runner import ModelRunner, StaticChain, TokenRun
 from dynaspec.engine.sampler import SamplingTensors, apply_penalties, processed_probs, sample_from
-from dynaspec.engine.types import DraftPass, Drafts, SchedulePlan, StepResult
+from dynaspec.engine.static_pass import NO_SLOT, StepClock, block_table_rows, bucket_of, slots_of
+from dynaspec.engine.types import DeviceDrafts, DraftPass, Drafts, SchedulePlan, StepResult
 from dynaspec.models.attention import SINK_TOKENS
 from dynaspec.models.build import effective_quantization
 from dynaspec.models.loader import compute_dtypes, load_model, resolve_model
@@ -57,7 +59,7 @@ class ContextVocab:
 class DraftModelProposer(Proposer):
     def __init__(self, spec_config, ctx: ProposerContext) -> None:
         super().__init__(ctx)
-        source = resolve_model(spec_config.model)
+        source = resolve_model(spec_config.model, load_format=spec_config.load_format or "auto")
         if not source.tokenizer().same_vocabulary(ctx.target_tokenizer):
             raise ValueError(
                 f"speculative_config.model: the draft model {spec_config.model!r} uses a different "
@@ -82,6 +84,7 @@ class DraftModelProposer(Proposer):
         self.num_computed: dict[str, int] = {}  # request id -> tokens the drafter has read or skipped
         self.shift: dict[str, int] = {}  # request id -> tokens skipped: position p sits at index p - shift
         self.fed_drafts: dict[str, int] = {}  # of the step being verified: request id -> drafts fed
+        self.static: StaticChain | None = None  # greedy drafting on fixed shapes (enable_static)
 
     @property
     def window(self) -> int | None:
@@ -158,6 +161,13 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(self.model, num_slots, self.ctx.block_size, self.kv_dtype, self.ctx.device)
         self.runner.window = self._window
 
+    def enable_static(self, max_num_seqs: int, max_k: int, max_model_len: int) -> None:
+        self.static = StaticChain(self.runner, max_num_seqs, max_k, max_model_len)
+
+    def capture(self, pool) -> None:
+        if self.static is not None:
+            self.static.capture(pool)
+
     def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
         """Up to ``k_caps[i]`` drafts per decode, one drafter pass per position over the rows still
         drafting. A row stops before position j when the drafter's top probability there is below
@@ -166,6 +176,10 @@ class DraftModelProposer(Proposer):
         sampled verification stays exact."""
         if plan.k == 0:
             return self.no_drafts(plan)
+        static = self.static
+        fixed_shape = static is not None and static.takes(plan.num_decodes, plan.k)
+        if fixed_shape and sampling.plain_greedy and not self.head_rows:
+            return self._propose_static(plan)
         active = [i for i, cap in enumerate(plan.k_caps) if cap > 0]
         k = plan.k
         passes: list[DraftPass] = []
@@ -232,6 +246,74 @@ class DraftModelProposer(Proposer):
                     lens[i] = j + 1
                     confidence[i].append(top_p[row])
         return Drafts(tokens, lens, probs, passes, confidence)
+
+    def _propose_static(self, plan: SchedulePlan) -> Drafts:
+        """Greedy drafts from the chain on fixed shapes (``StaticChain``): every row runs all K
+        passes; a row's K/V is written only for the drafts its cap allows, and which drafts it
+        keeps (its cap, confidence stops) is decided on the device."""
+        static, k, b = self.static, plan.k, plan.num_decodes
+        rows = bucket_of(b, static.buckets)
+        c = static.CATCHUP_TOKENS
+        clock = StepClock(self.ctx.device)
+        start = clock.mark()
+        ids = np.zeros((rows, c), dtype=np.int64)
+        last = np.zeros(rows, dtype=np.int64)  # index of each row's last token (its catch-up's end)
+        caps = np.zeros(rows, dtype=np.int64)
+        tails = np.zeros(rows, dtype=np.int64)  # catch-up tokens the chain reads per row
+        catchups, extra = [], 0
+        self.fed_drafts = {}
+        for i, (r, cap) in enumerate(zip(plan.decodes, plan.k_caps)):
+            if cap == 0:
+                continue
+            tokens, shift = self._catchup(r)
+            self.shift[r.request_id] = shift
+            last[i] = r.num_tokens - 1 - shift
+            if len(tokens) > c:  # a new request, or output generated while it did not draft
+                catchups.append(TokenRun(tokens[:-c], int(last[i]) + 1 - len(tokens), r.block_ids, []))
+            tail = tokens[-c:]
+            ids[i, c - len(tail) :] = tail
+            tails[i], caps[i] = len(tail), cap
+            extra += len(tokens) - 1
+            self.fed_drafts[r.request_id] = cap - 1  # pass j feeds draft j - 1, for j < cap
+        if catchups:
+            self.runner.run(catchups)
+        table = block_table_rows([r.block_ids for r in plan.decodes], rows, static.max_blocks)
+        offsets = np.arange(c)
+        positions = last[:, None] - (c - 1) + offsets[None, :]  # [rows, c]
+        slots = slots_of(table, np.maximum(positions, 0), self.ctx.block_size)
+        slots[(offsets[None, :] < c - tails[:, None]) | (positions < 0)] = NO_SLOT
+        steps = np.arange(1, k)[:, None]  # [k - 1, 1] pass j feeds draft j - 1 at index last + j
+        next_positions = last[None, :] + steps  # [k - 1, rows]
+        next_slots = slots_of(table, next_positions.T, self.ctx.block_size).T
+        next_slots[steps >= caps[None, :]] = NO_SLOT
+        out = static.run(
+            rows,
+            k,
+            {
+                "ids": ids,
+                "positions": positions,
+                "slots": slots,
+                "seq_lens": last + 1,
+                "caps": caps,
+                "next_positions": next_positions,
+                "next_slots": next_slots,
+                "next_seq_lens": next_positions + 1,
+                "block_table": table,
+            },
+        )
+        end = clock.mark()
+        tokens, confidence = out["tokens"][:b], out["confidence"][:b]
+        keep = (confidence >= plan.min_draft_confidence) & (
+            torch.arange(k, device=self.ctx.device)[None, :] < out["caps"][:b, None]
+        )
+        lens = keep.long().cumprod(1).sum(1)  # [b] drafts kept: up to the first stop
+        num_active = int(np.count_nonzero(caps))
+
+        def timer() -> list[DraftPass]:
+            ms = clock.ms(start, end) / k
+            return [DraftPass(num_active, extra if j == 0 else 0, ms) for j in range(k)]
+
+        return Drafts(tokens, list(plan.k_caps), None, pending=DeviceDrafts(lens, confidence, timer))
 
     def catch_up(self, prompts: list[list[int]], block_tables: list[list[int]]) -> float:
         runs = [TokenRun(ids, 0, blocks, [len(ids) - 1]) for ids, blocks in zip(prompts, block_tables)]

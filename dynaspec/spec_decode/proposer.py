@@ -51,6 +51,12 @@ class Proposer:
     def allocate_kv(self, num_slots: int) -> None:
         """Create KV storage addressed by the same slots as the target's."""
 
+    def enable_static(self, max_num_seqs: int, max_k: int, max_model_len: int) -> None:
+        """Draft on fixed shapes from now on, where the proposer has such a path (a CUDA graph)."""
+
+    def capture(self, pool) -> None:
+        """Record the fixed-shape drafting as CUDA graphs into ``pool`` (after ``enable_static``)."""
+
     def unseen_tokens(self, request: Request) -> int:
         """Tokens it must process before it can draft for ``request`` (1 when caught up)."""
         return 0

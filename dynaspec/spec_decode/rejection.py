@@ -32,14 +32,20 @@ from dynaspec.engine.sampler import (
     token_logprobs,
 )
 from dynaspec.engine.types import Drafts, StepResult, TokenLogprob
+from dynaspec.spec_decode.device_verify import verify_greedy
+from dynaspec.spec_decode.synthetic import SyntheticAcceptance, synthetic_emitted
 
 
 def verify(
     target_logits: torch.Tensor,  # [len(plan.sampled), k + 1, vocab] float32, decodes first
     drafts: Drafts,  # for the decodes: the first len(drafts.draft_lens) rows
     sampling: SamplingTensors,  # [len(plan.sampled)]
+    synthetic: SyntheticAcceptance | None = None,  # not lossless: accept at these rates whatever the tokens
 ) -> StepResult:
     """Rejection-sample a step: decodes verify their drafts, completing prefills sample a first token."""
+    if sampling.plain_greedy:  # the argmax decides: on the device, one copy back
+        return verify_greedy(target_logits, drafts, synthetic)
+    target_logits = target_logits.float()  # a fixed-shape pass gives the head's dtype
     num_rows, num_decodes = target_logits.shape[0], len(drafts.draft_lens)
     extra = num_rows - num_decodes  # prefill rows: no drafts
     tokens = torch.cat([drafts.token_ids, drafts.token_ids.new_zeros(extra, drafts.k)])
@@ -49,11 +55,16 @@ def verify(
     logits = target_logits
     if sampling.penalties is not None:
         logits = apply_penalties(target_logits, sampling.penalties, tokens)
-    emitted = rejection_sample(logits, tokens, drafts.draft_lens + [0] * extra, probs, sampling)
+    num_drafts = drafts.draft_lens + [0] * extra
+    if synthetic is None:
+        emitted = rejection_sample(logits, tokens, num_drafts, probs, sampling)
+    else:
+        emitted = synthetic_sample(logits, tokens, synthetic.accepted(num_drafts), sampling)
     return StepResult(
         token_ids=emitted,
         draft_lens=list(drafts.draft_lens),
         logprobs=emitted_logprobs(target_logits, emitted, sampling.num_logprobs),
+        draft_confidence=drafts.confidence,
     )
 
 
@@ -118,6 +129,33 @@ def rejection_sample(
             q = None if draft_probs is None else draft_probs[b]
             emitted[b] = _verify_row(p, drafts[b], num_drafts[b], q, sampling.generators[b])
     return emitted
+
+
+def synthetic_sample(
+    target_logits: torch.Tensor,  # [batch, k + 1, vocab] float32
+    draft_tokens: torch.Tensor,  # [batch, k] int64
+    num_accepted: list[int],  # [batch] drafts each row accepts (from SyntheticAcceptance)
+    sampling: SamplingTensors,
+) -> list[list[int]]:  # per row: its accepted drafts followed by the target's token
+    """Synthetic acceptance's emitted tokens: each row keeps its first ``num_accepted[b]`` drafts
+    whatever they are, then takes the target's token at that window position (the argmax for a
+    greedy row, a sample from p with the request's generator for a sampled one)."""
+    batch = target_logits.shape[0]
+    rows = torch.arange(batch, device=target_logits.device)
+    at = torch.tensor(num_accepted, dtype=torch.long, device=target_logits.device)
+    logits = target_logits[rows, at]  # [batch, vocab]
+    probs = processed_probs(logits[:, None, :], sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
+    greedy = (sampling.temperature == 0).tolist()
+    argmax = logits.argmax(-1).tolist()
+    drafts = draft_tokens.tolist()
+    return [
+        synthetic_emitted(
+            drafts[b],
+            num_accepted[b],
+            argmax[b] if greedy[b] else sample_from(probs[b], sampling.generators[b]),
+        )
+        for b in range(batch)
+    ]
 
 
 def _verified_positions(

@@ -1,0 +1,190 @@
+"""Time each fused op (models/fused_ops.py): its Triton kernel against its torch twin, on CUDA, at the
+decode shapes of Qwen2.5-7B, -1.5B and -0.5B (bf16), batch 1/16/64, query_len 1 and 6 (decode, and
+verify of K=5 drafts), a context of 512 tokens.
+
+    python benchmarks/fused_ops_bench.py --out results/fused_ops.json
+    python benchmarks/fused_ops_bench.py --dry-run --out /tmp/fused_ops.json   # CPU: tiny shapes, twins
+
+Prints one table and writes JSON (the device named). Each kernel is timed eagerly (launch overhead
+included: what an uncaptured step pays) and replayed in a CUDA graph (the GPU's time); "x" is the
+eager speed-up over the twin. Paged attention also reports the K/V bytes of the context over its
+graph time (GB/s), against the device's memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dynaspec.models import fused_ops
+
+BLOCK_SIZE = 16
+GRAPH_CALLS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+SHAPES = {
+    "7b": Shape(3584, 18944, 28, 4, 128),
+    "1.5b": Shape(1536, 8960, 12, 2, 128),
+    "0.5b": Shape(896, 4864, 14, 2, 64),
+}
+TINY = {"tiny": Shape(64, 96, 4, 2, 16)}
+
+
+@dataclass(slots=True)
+class Row:
+    model: str
+    batch: int
+    query_len: int
+    op: str
+    kernel_us: float | None  # eager calls; None: twins only (dry run)
+    graph_us: float | None  # per call, GRAPH_CALLS calls replayed as one CUDA graph: the GPU's time
+    twin_us: float
+    kv_gbps: float | None = None  # paged attention: K/V bytes of the context over graph_us
+
+
+def _cases(shape: Shape, b: int, query_len: int, context: int, dtype: torch.dtype, device: str):
+    """{op: (call(fn), K/V bytes read or None)} with inputs for b sequences of `context` tokens."""
+    n = b * query_len
+    hq, hk, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    blocks = -(-context // BLOCK_SIZE)
+    x = torch.randn(n, shape.hidden, dtype=dtype, device=device)
+    residual = torch.randn_like(x)
+    weight = torch.randn(shape.hidden, device=device).to(dtype)
+    gate_up = torch.randn(n, 2 * shape.intermediate, dtype=dtype, device=device)
+    qkv = torch.randn(n, (hq + 2 * hk) * d, dtype=dtype, device=device)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(n, hq, d), k.view(n, hk, d), v.view(n, hk, d)
+    cos, sin = torch.rand(n, d, device=device), torch.rand(n, d, device=device)
+    k_cache = torch.randn(b * blocks * BLOCK_SIZE, hk, d, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(b * blocks, device=device).view(b, blocks).to(torch.int32)
+    seq_lens = torch.full((b,), context, dtype=torch.int32, device=device)
+    pos = torch.arange(context - query_len, context, device=device).repeat(b)
+    slots = (block_table.long().repeat_interleave(query_len, 0).gather(1, (pos // BLOCK_SIZE)[:, None]))[:, 0]
+    slots = slots * BLOCK_SIZE + pos % BLOCK_SIZE
+    scale = d**-0.5
+    kv_bytes = 2 * b * context * hk * d * k_cache.element_size()
+    return {
+        "add_rms_norm": (lambda f: f(x, residual, weight, 1e-6), None),
+        "silu_mul": (lambda f: f(gate_up), None),
+        "rope_write_kv": (lambda f: f(q, k, v, cos, sin, k_cache, v_cache, slots), None),
+        "paged_attention": (
+            lambda f: f(q, k_cache, v_cache, block_table, seq_lens, query_len, BLOCK_SIZE, scale),
+            kv_bytes,
+        ),
+    }
+
+
+OPS = {
+    "add_rms_norm": (fused_ops.add_rms_norm, fused_ops.add_rms_norm_twin),
+    "silu_mul": (fused_ops.silu_mul, fused_ops.silu_mul_twin),
+    "rope_write_kv": (fused_ops.rope_write_kv, fused_ops.rope_write_kv_twin),
+    "paged_attention": (fused_ops.paged_attention, fused_ops.paged_attention_twin),
+}
+
+
+def _time_us(fn: Callable[[], object], cuda: bool) -> float:
+    """Median microseconds per call: triton's do_bench on CUDA (L2 flushed between calls), else a
+    wall-clock loop after a warm-up."""
+    if cuda:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    fn()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def _graph_us(fn: Callable[[], object]) -> float:
+    """Microseconds per call of fn captured GRAPH_CALLS times in one CUDA graph: no launch overhead."""
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / GRAPH_CALLS
+
+
+def main(argv: list[str] | None = None) -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, twins only")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--query-lens", type=int, nargs="+", default=[1, 6])
+    parser.add_argument("--context", type=int, default=512)
+    args = parser.parse_args(argv)
+    cuda = not args.dry_run
+    if cuda and not (torch.cuda.is_available() and fused_ops.triton is not None):
+        parser.error("needs CUDA and triton (or --dry-run)")
+    torch.manual_seed(0)
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    shapes = SHAPES if cuda else TINY
+    batches, query_lens, context = args.batches, args.query_lens, args.context
+    if not cuda:
+        batches, query_lens, context = [1, 2], [1, 3], 40
+
+    rows = []
+    for model, shape in shapes.items():
+        for b in batches:
+            for query_len in query_lens:
+                for op, (call, kv_bytes) in _cases(shape, b, query_len, context, dtype, device).items():
+                    kernel, twin = OPS[op]
+                    kernel_us = graph_us = gbps = None
+                    if cuda:
+                        kernel_us = _time_us(lambda c=call, f=kernel: c(f), cuda)
+                        graph_us = _graph_us(lambda c=call, f=kernel: c(f))
+                        gbps = kv_bytes / (graph_us * 1e3) if kv_bytes else None
+                    twin_us = _time_us(lambda c=call, f=twin: c(f), cuda)
+                    rows.append(Row(model, b, query_len, op, kernel_us, graph_us, twin_us, gbps))
+
+    header = ("model", "b", "q", "op", "kernel us", "graph us", "twin us", "x", "KV GB/s")
+    print("{:>6} {:>4} {:>2} {:<16} {:>10} {:>9} {:>10} {:>6} {:>8}".format(*header))
+    for r in rows:
+        kernel = f"{r.kernel_us:10.1f}" if r.kernel_us is not None else f"{'-':>10}"
+        graph = f"{r.graph_us:9.2f}" if r.graph_us is not None else f"{'-':>9}"
+        speedup = f"{r.twin_us / r.kernel_us:6.1f}" if r.kernel_us else f"{'-':>6}"
+        gbps = f"{r.kv_gbps:8.0f}" if r.kv_gbps is not None else f"{'-':>8}"
+        where = f"{r.model:>6} {r.batch:>4} {r.query_len:>2} {r.op:<16}"
+        print(f"{where} {kernel} {graph} {r.twin_us:10.1f} {speedup} {gbps}")
+    record = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu (dry run)",
+        "dtype": str(dtype),
+        "context": context,
+        "block_size": BLOCK_SIZE,
+        "graph_calls": GRAPH_CALLS,
+        "torch": torch.__version__,
+        "triton": getattr(fused_ops.triton, "__version__", None),
+        "rows": [asdict(r) for r in rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

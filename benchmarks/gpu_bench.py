@@ -1,0 +1,412 @@
+"""The GPU benchmark of issue 38, in one run: dummy-weight models of real shapes, no weight files.
+
+Stages (each with its own time limit; the JSON is rewritten after every measurement, so a stage
+that runs out of time or fails still leaves the others' figures):
+  env       the device, torch/triton versions, the device's copy bandwidth (a 2 GiB copy) and the
+            bf16 weight-streaming roofline of each shape at batch 1
+  plain     plain decode of the 7B shape, ms a step at batch 1..256 (CUDA graphs), and at batch 1
+            and 64 the same step eager on fixed shapes and on the varlen path (today's)
+  pair15    ITL(bs, K) for bs in {1, 4, 16, 64, 256}, K = 0..5, of the 1.5B/0.5B pair (synthetic
+            acceptance: every K is timed whatever the random weights propose); the drafter's pass
+            at batch 1; a K=0 step against a plain one
+  pair7     the same grid for the 7B/0.5B pair, then on that engine the synthetic-acceptance sweep:
+            none (K=0), fixed K = 1/3/5, the table derived from the grid, goodput batch-level and
+            per-request, at concurrency {1, 4, 16, 64, 256}, with EAGLE-3-like and code-pair-like
+            rates
+  equality  greedy speculative == plain, float32 and bfloat16, on the 0.5B shape drafting for itself
+            and with the 1.5B shape's drafter
+Run it on the GPU machine with the tokenizer files of the Qwen2.5 packs in --tokenizer:
+  python benchmarks/gpu_bench.py --tokenizer .gpu/tokenizer --out results/gpu/h200.json
+On a CPU, ``--dry-run`` runs every stage on tiny shapes in seconds (no figures worth keeping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from dynaspec.bench.common import environment, format_table, k_policies
+from dynaspec.bench.sweep import closed_loop
+from dynaspec.engine.engine import Engine, EngineConfig
+from dynaspec.engine.profiler import ProfileSettings, measure_itl
+from dynaspec.kpolicy.policy import FixedK
+from dynaspec.kpolicy.profile import Profile, derive_table
+from dynaspec.sampling_params import SamplingParams
+
+SHAPES = Path(__file__).parent / "shapes"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+RATES = {
+    "eagle3": [0.80, 0.57, 0.41, 0.30, 0.22],  # an EAGLE-3 head's per-position acceptance
+    "code_pair": [0.90, 0.86, 0.81, 0.76, 0.75],  # the offline Qwen2.5-Coder 1.5B/0.5B pair on code
+}
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+TINY_KV = {"num_key_value_heads": 2, "vocab_size": 151936}
+
+
+class Report:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict = {"environment": environment(), "stages": {}, "errors": {}}
+
+    def put(self, stage: str, key: str, value) -> None:
+        self.data["stages"].setdefault(stage, {})[key] = value
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.perf_counter() + seconds
+
+    def over(self) -> bool:
+        return time.perf_counter() > self.end
+
+
+def model_dirs(tokenizer: Path, work: Path, dry_run: bool) -> dict[str, str]:
+    """A Hugging Face directory per shape: its config.json and the packs' tokenizer files."""
+    out = {}
+    for shape in ("qwen2.5-7b", "qwen2.5-1.5b", "qwen2.5-0.5b"):
+        d = work / shape
+        d.mkdir(parents=True, exist_ok=True)
+        config = json.loads((SHAPES / shape / "config.json").read_text())
+        if dry_run:
+            config |= TINY | TINY_KV
+        (d / "config.json").write_text(json.dumps(config))
+        for name in TOKENIZER_FILES:
+            if (tokenizer / name).is_file():
+                shutil.copy(tokenizer / name, d / name)
+        out[shape] = str(d)
+    return out
+
+
+def make_engine(model: str, dtype: str = "bfloat16", spec: dict | None = None, **kw) -> Engine:
+    kw.setdefault("max_num_seqs", 256)
+    kw.setdefault("max_num_batched_tokens", 4096)
+    kw.setdefault("max_model_len", 1024)
+    kw.setdefault("kv_cache_memory_gb", 12.0)
+    config = EngineConfig(
+        model=model, dtype=dtype, load_format="dummy", speculative_config=spec, progress=False, **kw
+    )
+    return Engine(config)
+
+
+def free(engine: Engine | None) -> None:
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, 100_000, (n, length), generator=g).tolist()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(gib: float) -> float:
+    """GB/s of a device-to-device copy, counting bytes read and written (best of 5)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / best / 1e9
+
+
+def weight_bytes(engine: Engine) -> int:
+    model = engine.runner.model
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def decode_ms(engine: Engine, bs: int, steps: int, warmup: int = 3) -> list[float]:
+    """Step times (ms) with exactly ``bs`` requests decoding (their prompts prefilled first)."""
+    params = SamplingParams(max_tokens=warmup + steps + 8, temperature=0.0, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in prompts(bs, 64, seed=bs)]
+    while not all(r.is_decoding for r in requests):
+        engine.step()
+    times = []
+    for i in range(warmup + steps):
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1000)
+    for r in requests:
+        engine.abort(r.request_id)
+    return times
+
+
+def stage_env(report: Report, dirs: dict, args) -> None:
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info |= {
+            "device": props.name,
+            "sms": props.multi_processor_count,
+            "memory_gib": props.total_memory / 2**30,
+        }
+    info["copy_gbps"] = round(copy_bandwidth(0.05 if args.dry_run else 2.0), 1)
+    report.put("env", "info", info)
+    print("env:", info, flush=True)
+
+
+def stage_plain(report: Report, dirs: dict, args) -> None:
+    deadline = Deadline(args.stage_s["plain"])
+    engine = make_engine(dirs["qwen2.5-7b"])
+    report.put("plain", "graphs", engine.graph_stats)
+    nbytes = weight_bytes(engine)
+    copy = report.data["stages"]["env"]["info"]["copy_gbps"] or 1.0
+    report.put("plain", "weights_gib", round(nbytes / 2**30, 3))
+    report.put("plain", "roofline_ms_bs1", round(nbytes / (copy * 1e9) * 1000, 3))
+    rows = []
+    for bs in args.batch_sizes:
+        if deadline.over():
+            break
+        t = decode_ms(engine, bs, steps=30 if bs <= 16 else 12)
+        ms = statistics.median(t)
+        row = {"bs": bs, "ms": round(ms, 3), "tok_s": round(bs * 1000 / ms, 1)}
+        rows.append(row)
+        report.put("plain", "graphs_by_bs", rows)
+        print("plain", row, flush=True)
+    free(engine)
+    for name, kw in (("eager_fixed_shape", {"enforce_eager": True}), ("varlen", {"static_decode": False})):
+        if deadline.over():
+            break
+        engine = make_engine(dirs["qwen2.5-7b"], **kw)
+        out = []
+        for bs in (1, 64):
+            t = decode_ms(engine, bs, steps=8)
+            out.append({"bs": bs, "ms": round(statistics.median(t), 3)})
+        report.put("plain", name, out)
+        print("plain", name, out, flush=True)
+        free(engine)
+
+
+def pair_spec(draft_dir: str, rates: list[float] | None, max_k: int = 5) -> dict:
+    spec = {
+        "method": "draft_model",
+        "model": draft_dir,
+        "num_speculative_tokens": max_k,
+        "load_format": "dummy",
+    }
+    if rates is not None:
+        spec["synthetic_acceptance_rate"] = rates
+    return spec
+
+
+def grid_of(report: Report, engine: Engine, target: str, args) -> dict[int, dict[int, float]]:
+    """ITL(bs, K) of the pair (synthetic acceptance: every row drafts and is timed at its K), the
+    drafter's pass at batch 1, and a K=0 step against the plain target's."""
+    batch_sizes = [b for b in args.itl_batch_sizes if b <= engine.config.max_num_seqs]
+    settings = ProfileSettings(batch_sizes=batch_sizes, max_k=5, rounds=2, measured_steps=4, revisits=0)
+    timings = []
+    grid = measure_itl(engine, prompts(max(batch_sizes), 64), settings, progress=False, timings=timings)
+    stage = f"pair_{target}"
+    report.put(stage, "itl_ms", {str(b): row for b, row in grid.items()})
+    passes = [p.ms for t in timings for p in t.draft_passes if p.rows == 1 and p.extra_tokens == 0]
+    if passes:
+        report.put(stage, "draft_pass_ms_bs1", round(statistics.median(passes), 4))
+    if 1 in grid:
+        report.put(
+            stage, "itl_minus_k0_per_k_bs1", [round((grid[1][k] - grid[1][0]) / k, 3) for k in range(1, 6)]
+        )
+    print(target, "ITL", grid, flush=True)
+    return grid
+
+
+def stage_pair15(report: Report, dirs: dict, args) -> None:
+    engine = make_engine(dirs["qwen2.5-1.5b"], spec=pair_spec(dirs["qwen2.5-0.5b"], RATES["code_pair"]))
+    report.put("pair_qwen2.5-1.5b", "graphs", engine.graph_stats)
+    grid = grid_of(report, engine, "qwen2.5-1.5b", args)
+    free(engine)
+    plain = make_engine(dirs["qwen2.5-1.5b"])
+    ms = statistics.median(decode_ms(plain, 1, steps=30))
+    report.put("pair_qwen2.5-1.5b", "plain_ms_bs1", round(ms, 3))
+    if 1 in grid:
+        report.put("pair_qwen2.5-1.5b", "k0_over_plain_bs1", round(grid[1][0] / ms, 4))
+    free(plain)
+
+
+def stage_pair7(report: Report, dirs: dict, args) -> None:
+    """The 7B/0.5B pair's grid, then the sweep on the same engine (each rate set in turn)."""
+    deadline = Deadline(args.stage_s["pair7"])
+    engine = make_engine(dirs["qwen2.5-7b"], spec=pair_spec(dirs["qwen2.5-0.5b"], RATES["code_pair"]))
+    report.put("pair_qwen2.5-7b", "graphs", engine.graph_stats)
+    stats = grid_of(report, engine, "qwen2.5-7b", args)
+    for rate_name, rates in RATES.items():
+        engine.set_synthetic_acceptance(rates)
+        table = derive_table(rates, stats, 5, engine.config.max_num_seqs)
+        profile = Profile(5, rates, stats, num_speculative_tokens_per_batch_size=table)
+        report.put("sweep", f"{rate_name}_table", table)
+        policies = {"none": lambda: FixedK(0)} | k_policies([1, 3, 5], profile, 5, hysteresis_steps=2)
+        rows = report.data["stages"].get("sweep", {}).get(rate_name, [])
+        for c in args.concurrencies:
+            if deadline.over():
+                break
+            params = SamplingParams(max_tokens=args.sweep_tokens, temperature=0.0, ignore_eos=True)
+            for name, make in policies.items():
+                engine.set_k_policy(make())
+                wall, requests, _ = closed_loop(engine, prompts(max(c, 4), 64, seed=c), c, params)
+                tokens = sum(len(r.output_token_ids) for r in requests)
+                rows.append({"concurrency": c, "config": name, "tok_s": round(tokens / wall, 1)})
+            report.put("sweep", rate_name, rows)
+            print(
+                "sweep",
+                rate_name,
+                c,
+                {r["config"]: r["tok_s"] for r in rows if r["concurrency"] == c},
+                flush=True,
+            )
+    free(engine)
+
+
+def stage_equality(report: Report, dirs: dict, args) -> None:
+    deadline = Deadline(args.stage_s["equality"])
+    target = dirs["qwen2.5-0.5b"]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    for dtype in ("float32", "bfloat16"):
+        engine = make_engine(target, dtype=dtype, max_num_seqs=8, kv_cache_memory_gb=1.0)
+        plain = [o for o in run_all(engine, prompts(8, 32, seed=7), params)]
+        free(engine)
+        for drafter in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+            if deadline.over():
+                return
+            spec = pair_spec(dirs[drafter], None, max_k=4)
+            engine = make_engine(target, dtype=dtype, spec=spec, max_num_seqs=8, kv_cache_memory_gb=1.0)
+            out = run_all(engine, prompts(8, 32, seed=7), params)
+            firsts = [
+                next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(out, plain)
+            ]
+            stats = engine.stats()["spec"]
+            result = {
+                "equal": sum(f is None for f in firsts),
+                "of": len(firsts),
+                "first_differences": firsts,
+                "acceptance_rate": stats.get("acceptance_rate"),
+            }
+            report.put("equality", f"{dtype}_{drafter}", result)
+            print("equality", dtype, drafter, result, flush=True)
+            free(engine)
+
+
+def run_all(engine: Engine, ps: list, params) -> list[list[int]]:
+    requests = [engine.add_request(p, params) for p in ps]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in requests]
+
+
+STAGES = {
+    "env": stage_env,
+    "plain": stage_plain,
+    "pair15": stage_pair15,
+    "pair7": stage_pair7,
+    "equality": stage_equality,
+}
+STAGE_S = {"plain": 90, "pair7": 200, "equality": 60}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", required=True, help="directory with the packs' tokenizer files")
+    ap.add_argument("--out", default="results/gpu/gpu_bench.json")
+    ap.add_argument("--stages", default=",".join(STAGES))
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU): checks the script runs")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--itl-batch-sizes", default="1,4,16,64,256")
+    ap.add_argument("--concurrencies", default="1,4,16,64,256")
+    ap.add_argument("--sweep-tokens", type=int, default=96)
+    args = ap.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.itl_batch_sizes = [int(b) for b in args.itl_batch_sizes.split(",")]
+    args.concurrencies = [int(b) for b in args.concurrencies.split(",")]
+    args.stage_s = dict(STAGE_S)
+    if args.dry_run:
+        args.batch_sizes, args.itl_batch_sizes, args.concurrencies = [1, 4], [1, 4], [1, 4]
+        args.sweep_tokens = 8
+    report = Report(Path(args.out))
+    report.data["command"] = sys.argv
+    with tempfile.TemporaryDirectory() as work:
+        dirs = model_dirs(Path(args.tokenizer), Path(work), args.dry_run)
+        for name in args.stages.split(","):
+            start = time.perf_counter()
+            try:
+                STAGES[name](report, dirs, args)
+            except Exception:  # a failed stage leaves the others' figures
+                report.data["errors"][name] = traceback.format_exc()
+                report.save()
+                print(f"stage {name} failed:\n{traceback.format_exc()}", flush=True)
+            print(f"stage {name}: {time.perf_counter() - start:.1f} s", flush=True)
+            gc.collect()
+    summarize(report.data)
+    return 0
+
+
+def summarize(data: dict) -> None:
+    stages = data["stages"]
+    plain = stages.get("plain", {}).get("graphs_by_bs", [])
+    if plain:
+        print(format_table(["bs", "ms/step", "tok/s"], [[r["bs"], r["ms"], r["tok_s"]] for r in plain]))
+    for key in ("pair_qwen2.5-1.5b", "pair_qwen2.5-7b"):
+        grid = stages.get(key, {}).get("itl_ms", {})
+        if grid:
+            rows = [[bs] + [row.get(k, row.get(str(k))) for k in range(6)] for bs, row in grid.items()]
+            print(key, "ITL(bs, K) ms")
+            print(format_table(["bs"] + [f"K={k}" for k in range(6)], rows))
+    with contextlib.suppress(KeyError):
+        for rate_name, rows in stages["sweep"].items():
+            if rate_name.endswith("_table"):
+                continue
+            print("sweep", rate_name)
+            configs = list(dict.fromkeys(r["config"] for r in rows))
+            by_c: dict[int, dict] = {}
+            for r in rows:
+                by_c.setdefault(r["concurrency"], {})[r["config"]] = r["tok_s"]
+            print(
+                format_table(["conc"] + configs, [[c] + [v.get(n) for n in configs] for c, v in by_c.items()])
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
