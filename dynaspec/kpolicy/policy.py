@@ -15,6 +15,7 @@ Every division is guarded: empty or zero data never crashes a policy.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -287,6 +288,28 @@ class ConfidenceCalibration:
         return [round(self.rate(b), 3) for b in range(self.BINS)]
 
 
+EVERY_N_UP_TO = 32  # loads up to this many requests price every count of drafting requests
+# loads up to this many requests get a K each (refine_drafts); a larger one, where one request's K
+# moves the step's goodput little and the search's host time grows with the load, the uniform K
+PER_REQUEST_UP_TO = 64
+
+
+def peak_counts(bs: int, k: int, runs: list[int]) -> list[int]:
+    """The counts n of drafting requests (1..bs) at which the goodput of K=k can peak. Between two
+    of them the time of a step is linear in n (the requests added owe the drafter alike, and the
+    grid is read linearly between its columns, at n*k/bs), so the goodput, a ratio of two linear
+    functions of n, is monotone there and peaks at an end: the ends of the runs of alike requests
+    (``runs``: n where the n-th and the next differ), the grid's columns (n*k/bs whole), 1 and bs."""
+    out = {1, bs, *runs, *(n + 1 for n in runs if n < bs)}
+    for j in range(1, k):
+        out.update((bs * j // k, -(-bs * j // k)))
+    return sorted(n for n in out if 1 <= n <= bs)
+
+
+def _key(candidates: Sequence[DraftCandidate], cost: list[float], i: int) -> tuple[float, bool]:
+    return cost[i], not candidates[i].decoding
+
+
 def refine_drafts(
     start: Sequence[int],
     rates: Sequence[Sequence[float]],
@@ -313,8 +336,10 @@ def refine_drafts(
     max_k = max(caps, default=0)
     m = [sum(k > j for k in ks) for j in range(max_k)]
 
+    cumulative = [list(itertools.accumulate(r, initial=0.0)) for r in rates]
+
     def tokens_of(i: int, k: int) -> float:
-        return sum(rates[i][:k])
+        return cumulative[i][min(k, len(rates[i]))]
 
     def charge_of(i: int, k: int) -> float:
         return charges[i] * (1.0 + tokens_of(i, k)) if k else 0.0
@@ -461,7 +486,12 @@ class GoodputK:
             prefix.append(prefix[-1] + cost[i])
         plain = self.itl(bs, 0)
         drafted_cost = self._drafted_pricer(bs)
-        scores = self._scores(bs, plain, alpha, prefix, drafted_cost)  # {(k, n): goodput}
+        runs = [
+            n
+            for n in range(1, bs)
+            if _key(candidates, cost, order[n - 1]) != _key(candidates, cost, order[n])
+        ]
+        scores = self._scores(bs, plain, alpha, prefix, drafted_cost, runs)  # {(k, n): goodput}
         wanted = max(scores, key=lambda kn: (scores[kn], -kn[0], kn[1]))[0] if scores else 0
         k = self.hysteresis.update(wanted)
         n = (
@@ -474,7 +504,7 @@ class GoodputK:
             drafts[i] = k if candidates[i].decoding else 0
         # what each request may draft: decoding ones, up to one token fewer than they have left
         caps = [min(self.max_k, max(0, c.tokens_left - 1)) if c.decoding else 0 for c in candidates]
-        if self.per_request and self.max_k and plain:
+        if self.per_request and self.max_k and plain and bs <= PER_REQUEST_UP_TO:
             drafts = refine_drafts(
                 drafts,
                 [self.requests.rates(c.request_id, alpha) for c in candidates],
@@ -490,7 +520,7 @@ class GoodputK:
         if _log_change(self.k_by_batch_size, bs, k, "goodput"):
             log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in alpha))
         if explore and not k and plain and any(caps) and self.acceptance.evidence() < self.explore_below:
-            hopeful = self._scores(bs, plain, [a + (1.0 - a) / 2 for a in alpha], prefix, drafted_cost)
+            hopeful = self._scores(bs, plain, [a + (1.0 - a) / 2 for a in alpha], prefix, drafted_cost, runs)
             if max(hopeful, key=hopeful.get)[0]:  # the probe: the request owing the drafter least
                 drafts[min((i for i in range(bs) if caps[i]), key=cost.__getitem__)], k = 1, 1
                 self.num_probes += 1
@@ -546,15 +576,18 @@ class GoodputK:
         alpha: list[float],
         prefix: list[float],
         drafted_cost: Callable[[tuple[int, ...]], float],
+        runs: list[int],
     ) -> dict[tuple[int, int], float]:
-        """Goodput of every (K, n first requests) over a plain step of ``plain`` ms (None: unknown),
-        the n rows' K positions priced by ``drafted_cost`` (that of refine_drafts)."""
+        """Goodput of (K, n first requests) over a plain step of ``plain`` ms (None: unknown), the n
+        rows' K positions priced by ``drafted_cost`` (that of refine_drafts), for every n up to
+        ``EVERY_N_UP_TO`` requests; beyond, for the n where the goodput can peak (``peak_counts``):
+        the host time of a choice must stay small beside a GPU step of a few milliseconds."""
         if plain is None:
             return {}
         scores = {(0, 0): bs / plain}
         for k in range(1, self.max_k + 1):
             al = acceptance_length(alpha, k)
-            for n in range(1, bs + 1):
+            for n in range(1, bs + 1) if bs <= EVERY_N_UP_TO else peak_counts(bs, k, runs):
                 drafted = drafted_cost((n,) * k)
                 if drafted != float("inf"):
                     scores[(k, n)] = (bs + n * (al - 1)) / (plain + drafted + al * prefix[n])

@@ -77,6 +77,7 @@ def build_attention_metadata(
     device: torch.device,
     rowwise: bool = False,
     window: int | None = None,
+    batch_prefills: bool | None = None,
 ) -> AttentionMetadata:
     """Plan attention for sequences whose new tokens are laid out back to back in the flat batch.
 
@@ -84,7 +85,8 @@ def build_attention_metadata(
     ``window``, a token at position p sees only the first ``SINK_TOKENS`` positions and the last
     ``window`` up to itself (p - window < key <= p), a sliding window whose cost stays flat as the
     context grows. Built with numpy on the host (small arrays: torch's per-op overhead dominated
-    here), copied once.
+    here), copied once. ``batch_prefills`` (default: on CUDA) groups alike prefill chunks into one
+    batched call each (``_alike``) instead of one call per chunk.
     """
     slots = [_slots(table, block_size, c) for c, table in zip(ctx_lens, block_tables)]  # [c] each
     slot_mapping = np.concatenate([s[c - q :] for s, q, c in zip(slots, q_lens, ctx_lens)])
@@ -98,7 +100,12 @@ def build_attention_metadata(
 
     short = [i for i, q in enumerate(q_lens) if q <= SHORT_QUERY_MAX]
     long = [i for i, q in enumerate(q_lens) if q > SHORT_QUERY_MAX]
-    member_lists = ([short] if short else []) + [[i] for i in long]
+    if batch_prefills is None:
+        batch_prefills = device.type == "cuda"  # there a call per prefill chunk would dominate
+    if batch_prefills:
+        member_lists = ([short] if short else []) + _alike(long, q_lens, ctx_lens)
+    else:
+        member_lists = ([short] if short else []) + [[i] for i in long]
 
     groups = []
     order = []  # flat rows in the order group outputs are concatenated
@@ -143,6 +150,25 @@ def build_attention_metadata(
         groups=groups,
         out_index=torch.from_numpy(out_index).to(device),
     )
+
+
+LONG_GROUP_ELEMENTS = 1 << 22  # a batched group of prefill chunks: at most this many (query, key) pairs
+
+
+def _alike(members: list[int], q_lens: list[int], ctx_lens: list[int]) -> list[list[int]]:
+    """Prefill chunks in groups of alike shapes (queries and contexts within 2x of the group's
+    first), so a burst of prompts attends in a few batched calls with little padding."""
+    groups: list[list[int]] = []
+    for i in sorted(members, key=lambda i: (q_lens[i], ctx_lens[i])):
+        if groups:
+            first, group = groups[-1][0], groups[-1]
+            q_max, c_max = q_lens[i], max(ctx_lens[i], max(ctx_lens[j] for j in group))
+            alike = q_lens[i] <= 2 * q_lens[first] and c_max <= 2 * min(ctx_lens[j] for j in group + [i])
+            if alike and (len(group) + 1) * q_max * c_max <= LONG_GROUP_ELEMENTS:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
 
 
 def _rowwise_tables(
