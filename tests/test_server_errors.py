@@ -97,3 +97,36 @@ def test_harmless_fields_are_accepted_and_ignored(base, caplog):
 def test_unknown_route_is_404_json(base):
     r = httpx.get(f"{base}/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_a_request_too_large_to_ever_wait_is_a_400_naming_n(target_dir):
+    """8 prompts x n=4 can never fit a bound of 16 waiting requests: retrying (503) cannot help."""
+    with running_server(target_dir, max_waiting=16) as (url, loop):
+        r = httpx.post(f"{url}/v1/completions", json={**GOOD, "prompt": ["x"] * 8, "n": 4}, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "n" and "16" in error["message"] and "32" in error["message"]
+        fits = httpx.post(f"{url}/v1/completions", json={**GOOD, "prompt": ["x"] * 4, "n": 4}, timeout=60)
+        assert fits.status_code == 200 and len(fits.json()["choices"]) == 16
+        assert not loop.busy and loop.engine.allocator.usage == 0.0
+
+
+def test_bad_token_ids_in_every_sub_request_log_no_traceback_and_leave_nothing(target_dir, caplog):
+    """Each of 2 prompts x n=3 sub-requests fails validation: one 400, no 'Future exception was
+    never retrieved' ERROR, no sub-request admitted and left behind."""
+    with running_server(target_dir) as (url, loop), caplog.at_level("WARNING"):
+        body = {**GOOD, "prompt": [[10**6, 5], [7, 10**6]], "n": 3}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "prompt"
+        mixed = {**GOOD, "prompt": [[7, 8, 9], [7, 10**6]], "n": 2}  # the first prompt is valid
+        assert httpx.post(f"{url}/v1/completions", json=mixed, timeout=30).status_code == 400
+        good = httpx.post(f"{url}/v1/completions", json=GOOD, timeout=60)
+        assert good.status_code == 200
+        assert not loop.busy and loop.engine.allocator.usage == 0.0
+        assert not loop.engine.has_unfinished()
+    import gc
+
+    gc.collect()  # a future whose exception nobody retrieved logs when it is collected
+    errors = [rec for rec in caplog.records if rec.levelname == "ERROR"]
+    assert not errors, [rec.getMessage() for rec in errors]

@@ -120,13 +120,17 @@ class EngineLoop:
             if self._draining:
                 raise Unavailable("the server is shutting down", retry_after_s=5)
             waiting = self.snapshot.waiting + len(self._inbox)
+            if self.max_waiting is not None and len(subs) > self.max_waiting:  # waiting cannot help
+                raise ValueError(
+                    f"n: {len(subs)} sequences (n x prompts) in one request exceed the server's bound of "
+                    f"{self.max_waiting} waiting requests (--max-waiting)"
+                )
             if self.max_waiting is not None and waiting + len(subs) > self.max_waiting:
                 raise Unavailable(f"the server is full: {waiting} requests waiting (--max-waiting)")
             self._inbox.extend(subs)
             self._cond.notify()
-        try:
-            for sub in subs:
-                await sub.accepted
+        try:  # gather retrieves every sub-request's failure, not only the first
+            await asyncio.gather(*(sub.accepted for sub in subs))
         except BaseException:
             for sub in subs:
                 self.abort(sub.request_id)
@@ -181,8 +185,8 @@ class EngineLoop:
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 abort_all, self._abort_all = self._abort_all, False
-            for sub in inbox:
-                self._admit(sub)
+            for unit in _units(inbox):
+                self._admit(unit)
             for request_id in aborts:
                 if self.engine.abort(request_id):
                     self.metrics.request_aborted()
@@ -201,15 +205,23 @@ class EngineLoop:
             self._refresh()
             self._log_stats()
 
-    def _admit(self, sub: _Submission) -> None:
+    def _admit(self, unit: list[_Submission]) -> None:
+        """Add one request's sub-requests (its prompts and n samples) all, or none: the first bad
+        one fails them all and takes back those already added."""
+        added = []
         try:
-            request = self.engine.add_request(sub.prompt, sub.params, sub.request_id)
+            for sub in unit:
+                added.append((sub, self.engine.add_request(sub.prompt, sub.params, sub.request_id)))
         except ValueError as e:
-            sub.loop.call_soon_threadsafe(_set_exception, sub.accepted, e)
+            for sub, _ in added:
+                self.engine.abort(sub.request_id)
+            for sub in unit:
+                sub.loop.call_soon_threadsafe(_set_exception, sub.accepted, e)
             return
-        self._streams[sub.request_id] = (sub.loop, sub.queue, request)
-        self.metrics.request_started(len(request.prompt_token_ids))
-        sub.loop.call_soon_threadsafe(_set_result, sub.accepted, None)
+        for sub, request in added:
+            self._streams[sub.request_id] = (sub.loop, sub.queue, request)
+            self.metrics.request_started(len(request.prompt_token_ids))
+            sub.loop.call_soon_threadsafe(_set_result, sub.accepted, None)
 
     def _deliver(self, out: RequestOutput) -> None:
         target = self._streams.get(out.request_id)
@@ -283,6 +295,14 @@ class EngineLoop:
             kv_cache_usage=self.engine.allocator.usage,
             stats=self.engine.stats(),
         )
+
+
+def _units(inbox: list[_Submission]) -> list[list[_Submission]]:
+    """The inbox's sub-requests grouped by the request they came in (they share its queue), in order."""
+    units: dict[int, list[_Submission]] = {}
+    for sub in inbox:
+        units.setdefault(id(sub.queue), []).append(sub)
+    return list(units.values())
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
