@@ -132,10 +132,14 @@ def test_goodput_policy_state_in_metrics(tmp_path, target_dir):
     chose (0: no prompt is worth catching up on), the withheld counter and the acceptance estimates."""
     from dynaspec.kpolicy.profile import Profile, save_profile
 
-    stats = {bs: {0: 100.0, 1: 10.0, 2: 10.0} for bs in (1, 8)}
+    # drafts cost nothing a step (the grid and the cost model agree), catching up costs 1e6 ms a token
+    stats = {bs: {0: 100.0, 1: 100.01, 2: 100.02} for bs in (1, 8)}
     save_profile(
         Profile(
-            2, [0.9, 0.8], stats, cost_model={"target_ms": [1.0, 0.0, 0.0], "draft_pass_ms": [0.01, 0.0, 1e6]}
+            2,
+            [0.9, 0.8],
+            stats,
+            cost_model={"target_ms": [100.0, 0.0, 0.0], "draft_pass_ms": [0.01, 0.0, 1e6]},
         ),
         tmp_path / "p.json",
     )

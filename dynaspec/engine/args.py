@@ -37,6 +37,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV cache budget")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: decode steps on fixed shapes run eagerly (CUDA; graphs are the default there)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -51,6 +56,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -277,6 +277,8 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule(self._k_policy)  # who runs, tokens each, K for this step
+        if self._synthetic is not None:  # acceptance that ignores the tokens ignores their confidence
+            plan.min_draft_confidence = 0.0
         self.proposer.release(plan.released)  # forget finished and preempted requests
         if plan.is_empty:
             return []

@@ -363,6 +363,9 @@ def paged_attention_twin(
     v = v_cache.index_select(0, slots).view(b, ctx, hk, d).transpose(1, 2).float()  # [b, hk, ctx, d]
     lens = seq_lens[:b].long()[:, None]  # [b, 1]
     v = v.masked_fill((key >= lens.clamp(min=1))[:, None, :, None], 0.0)  # key 0 stays: padded rows
+    # a window's positions past a row's drafts are not written (slot -1): on the CPU such a cache
+    # row may hold NaN, which a zero weight would still spread (0 * NaN); make it finite
+    v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
     pos = (lens - query_len + torch.arange(query_len, device=q.device)).clamp(min=0)  # [b, query_len]
     visible = key <= pos[..., None]  # [b, query_len, ctx]
     if window is not None:

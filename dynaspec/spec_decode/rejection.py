@@ -43,7 +43,9 @@ def verify(
     synthetic: SyntheticAcceptance | None = None,  # not lossless: accept at these rates whatever the tokens
 ) -> StepResult:
     """Rejection-sample a step: decodes verify their drafts, completing prefills sample a first token."""
-    if sampling.plain_greedy:  # the argmax decides: on the device, one copy back
+    # the argmax decides: on the GPU (or after a drafter on fixed shapes), one copy back; on the
+    # CPU the argmax over the verified positions alone, below, costs less than over whole windows
+    if sampling.plain_greedy and (target_logits.is_cuda or drafts.pending is not None):
         return verify_greedy(target_logits, drafts, synthetic)
     target_logits = target_logits.float()  # a fixed-shape pass gives the head's dtype
     num_rows, num_decodes = target_logits.shape[0], len(drafts.draft_lens)
