@@ -95,7 +95,7 @@ def model_dirs(tokenizer: Path, work: Path, dry_run: bool) -> dict[str, str]:
 
 def make_engine(model: str, dtype: str = "bfloat16", spec: dict | None = None, **kw) -> Engine:
     kw.setdefault("max_num_seqs", 256)
-    kw.setdefault("max_num_batched_tokens", 4096)
+    kw.setdefault("max_num_batched_tokens", 32768)  # a whole batch's drafter catch-up in one step
     kw.setdefault("max_model_len", 1024)
     kw.setdefault("kv_cache_memory_gb", 12.0)
     config = EngineConfig(
@@ -255,6 +255,22 @@ def grid_of(report: Report, engine: Engine, target: str, args) -> dict[int, dict
     return grid
 
 
+def kernel_profile(engine: Engine) -> str:
+    """The GPU kernels of 6 steps at K=5, batch 1 (graph replays included), by total device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.set_k_policy(FixedK(5))
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    request = engine.add_request(prompts(1, 64, seed=3)[0], params)
+    for _ in range(4):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(6):
+            engine.step()
+    engine.abort(request.request_id)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+
+
 def stage_pair15(report: Report, dirs: dict, args) -> None:
     engine = make_engine(dirs["qwen2.5-1.5b"], spec=pair_spec(dirs["qwen2.5-0.5b"], RATES["code_pair"]))
     report.put("pair_qwen2.5-1.5b", "graphs", engine.graph_stats)
@@ -271,9 +287,20 @@ def stage_pair15(report: Report, dirs: dict, args) -> None:
 def stage_pair7(report: Report, dirs: dict, args) -> None:
     """The 7B/0.5B pair's grid, then the sweep on the same engine (each rate set in turn)."""
     deadline = Deadline(args.stage_s["pair7"])
+    plain = make_engine(dirs["qwen2.5-7b"])
     engine = make_engine(dirs["qwen2.5-7b"], spec=pair_spec(dirs["qwen2.5-0.5b"], RATES["code_pair"]))
     report.put("pair_qwen2.5-7b", "graphs", engine.graph_stats)
     stats = grid_of(report, engine, "qwen2.5-7b", args)
+    engine.set_k_policy(FixedK(0))  # a K=0 step against a plain one, interleaved on the warm GPU
+    times: dict[str, list[float]] = {"plain": [], "k0": []}
+    for _ in range(3):
+        times["plain"] += decode_ms(plain, 1, steps=20)
+        times["k0"] += decode_ms(engine, 1, steps=20)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    report.put("pair_qwen2.5-7b", "plain_vs_k0_ms_bs1", {n: round(m, 4) for n, m in medians.items()})
+    report.put("pair_qwen2.5-7b", "k0_over_plain_bs1", round(medians["k0"] / medians["plain"], 4))
+    free(plain)
+    report.put("pair_qwen2.5-7b", "kernel_profile_k5_bs1", kernel_profile(engine))
     for rate_name, rates in RATES.items():
         engine.set_synthetic_acceptance(rates)
         table = derive_table(rates, stats, 5, engine.config.max_num_seqs)
