@@ -376,7 +376,7 @@ STAGE_S = {"plain": 90, "pair7": 200, "equality": 60}
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokenizer", required=True, help="directory with the packs' tokenizer files")
+    ap.add_argument("--tokenizer", help="directory with the packs' tokenizer files (required to run)")
     ap.add_argument("--out", default="results/gpu/gpu_bench.json")
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU): checks the script runs")
@@ -384,7 +384,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--itl-batch-sizes", default="1,4,16,64,256")
     ap.add_argument("--concurrencies", default="1,4,16,64,256")
     ap.add_argument("--sweep-tokens", type=int, default=96)
+    ap.add_argument("--plot", help="PNG of the ITL grids and the sweeps (after the run)")
+    ap.add_argument("--plot-from", nargs="+", metavar="JSON", help="run nothing: plot saved runs (merged)")
     args = ap.parse_args(argv)
+    if args.plot_from:
+        data: dict = {"stages": {}, "environment": {}}
+        for path in args.plot_from:
+            saved = json.loads(Path(path).read_text())
+            for stage, values in saved["stages"].items():
+                data["stages"].setdefault(stage, {}).update(values)
+            data["environment"] = saved["environment"]
+        plot(data, args.plot or "gpu_bench.png")
+        return 0
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.itl_batch_sizes = [int(b) for b in args.itl_batch_sizes.split(",")]
     args.concurrencies = [int(b) for b in args.concurrencies.split(",")]
@@ -392,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         args.batch_sizes, args.itl_batch_sizes, args.concurrencies = [1, 4], [1, 4], [1, 4]
         args.sweep_tokens = 8
+    if not args.tokenizer:
+        ap.error("--tokenizer: required unless --plot-from")
     report = Report(Path(args.out))
     report.data["command"] = sys.argv
     with tempfile.TemporaryDirectory() as work:
@@ -407,7 +420,54 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stage {name}: {time.perf_counter() - start:.1f} s", flush=True)
             gc.collect()
     summarize(report.data)
+    if args.plot:
+        plot(report.data, args.plot)
     return 0
+
+
+def plot(data: dict, path: str) -> None:
+    """ITL(bs, K) of each pair, and each sweep's tokens/s over no speculation's, against concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = data["stages"]
+    device = stages.get("env", {}).get("info", {}).get("device") or data["environment"].get("device", "GPU")
+    grids = [
+        (k, stages[k]["itl_ms"])
+        for k in ("pair_qwen2.5-1.5b", "pair_qwen2.5-7b")
+        if "itl_ms" in stages.get(k, {})
+    ]
+    sweeps = [(n, r) for n, r in stages.get("sweep", {}).items() if not n.endswith("_table")]
+    panels = len(grids) + len(sweeps)
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
+    for ax, (name, grid) in zip(axes[0], grids):
+        for bs, row in grid.items():
+            ks = sorted(int(k) for k in row)
+            ax.plot(ks, [row[k] if k in row else row[str(k)] for k in ks], marker="o", label=f"bs {bs}")
+        ax.set(title=f"{name.removeprefix('pair_')} + 0.5B: ITL(bs, K)", xlabel="K", ylabel="ms a step")
+        ax.legend(fontsize=7)
+    for ax, (name, rows) in zip(axes[0][len(grids) :], sweeps):
+        none = {r["concurrency"]: r["tok_s"] for r in rows if r["config"] == "none"}
+        for config in dict.fromkeys(r["config"] for r in rows):
+            pts = [
+                (r["concurrency"], r["tok_s"] / none[r["concurrency"]]) for r in rows if r["config"] == config
+            ]
+            style = "-" if config in ("goodput", "per-request") else ":"
+            ax.plot(*zip(*pts), style, marker="o", label=config)
+        ax.set(
+            title=f"sweep, {name} rates",
+            xlabel="concurrency",
+            ylabel="tok/s over no speculation",
+            xscale="log",
+        )
+        ax.legend(fontsize=7)
+    fig.suptitle(f"dynaspec on {device} (7B/1.5B/0.5B shapes, dummy weights)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def summarize(data: dict) -> None:
