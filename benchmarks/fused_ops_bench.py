@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dynaspec.engine.static_pass import capture_graph
 from dynaspec.models import fused_ops
 
 BLOCK_SIZE = 16
@@ -118,15 +119,7 @@ def _graph_us(fn: Callable[[], object]) -> float:
     """Microseconds per call of fn captured GRAPH_CALLS times in one CUDA graph: no launch overhead."""
     import triton.testing
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
+    graph, _ = capture_graph(lambda: [fn() for _ in range(GRAPH_CALLS)])
     return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / GRAPH_CALLS
 
 

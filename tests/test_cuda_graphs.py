@@ -6,6 +6,7 @@ makes no host sync but its one planned wait (``torch.cuda.set_sync_debug_mode("e
 
 import pytest
 import torch
+from test_engine import run_staggered
 from tiny import cached_tiny_model_dir
 
 from dynaspec import SamplingParams
@@ -32,14 +33,8 @@ def engine(path, **kw) -> Engine:
     return Engine(EngineConfig(model=str(path), device="cuda", progress=False, **kw))
 
 
-def run(e: Engine, prompts=PROMPTS, every: int = 2) -> list[list[int]]:
-    requests, pending, step = [], list(prompts), 0
-    while pending or e.has_unfinished():
-        if pending and step % every == 0:
-            requests.append(e.add_request(pending.pop(0), GREEDY))
-        e.step()
-        step += 1
-    return [r.output_token_ids for r in requests]
+def run(e: Engine) -> list[list[int]]:
+    return run_staggered(e, PROMPTS, GREEDY, arrive_every=2)
 
 
 @pytest.mark.parametrize("method", ["none", "draft_model", "self", "ngram"])

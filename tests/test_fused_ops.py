@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dynaspec.engine.static_pass import capture_graph
 from dynaspec.models.attention import build_attention_metadata
 from dynaspec.models.attention import paged_attention as reference_attention
 from dynaspec.models.llama import RMSNorm, _rotate
@@ -243,19 +244,6 @@ def test_kernels_in_interpreter_subprocess():
 # CUDA graphs
 
 
-def _captured(fn):
-    """fn captured in a CUDA graph (after a warm-up that compiles its kernels): (graph, its outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 @needs_cuda
 @pytest.mark.skipif(fo.triton is None, reason="triton is not installed")
 def test_each_op_replays_in_cuda_graph():
@@ -269,14 +257,14 @@ def test_each_op_replays_in_cuda_graph():
     qa, ka, va, block_table, seq_lens, _ = _attention_case(2, 3, [20, 40], 14, 2, 64, 16, dtype, dev)
 
     graphs = {
-        "rms_norm": _captured(lambda: fo.rms_norm(x, weight, 1e-6)),
-        "add_rms_norm": _captured(lambda: fo.add_rms_norm(x, residual, weight, 1e-6)),
-        "silu_mul": _captured(lambda: fo.silu_mul(gate_up)),
-        "rope_write_kv": _captured(lambda: fo.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)),
-        "paged_attention": _captured(
+        "rms_norm": capture_graph(lambda: fo.rms_norm(x, weight, 1e-6)),
+        "add_rms_norm": capture_graph(lambda: fo.add_rms_norm(x, residual, weight, 1e-6)),
+        "silu_mul": capture_graph(lambda: fo.silu_mul(gate_up)),
+        "rope_write_kv": capture_graph(lambda: fo.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)),
+        "paged_attention": capture_graph(
             lambda: fo.paged_attention(qa, ka, va, block_table, seq_lens, 3, 16, 64**-0.5, window=16)
         ),
-        "paged_attention_splits": _captured(
+        "paged_attention_splits": capture_graph(
             lambda: fo.paged_attention(qa, ka, va, block_table, seq_lens, 3, 16, 64**-0.5, num_splits=3)
         ),
     }

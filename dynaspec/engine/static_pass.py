@@ -98,19 +98,25 @@ class PassGraphs:
         return graph[1]
 
     def capture(self, key: tuple, fn: Callable[[], object], pool) -> None:
-        """Warm ``fn`` up (compiles its kernels) on a side stream, then record it as a graph whose
-        memory comes from ``pool`` (``torch.cuda.graph_pool_handle()``, shared by all graphs)."""
+        """Record ``fn`` as the key's graph, its memory from ``pool``
+        (``torch.cuda.graph_pool_handle()``, shared by all graphs)."""
         start = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
-        self.graphs[key] = (graph, out)
+        self.graphs[key] = capture_graph(fn, pool)
         self.capture_s += time.perf_counter() - start
+
+
+def capture_graph(fn: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn`` warmed up on a side stream (its kernels compile there), then recorded as a CUDA graph:
+    (the graph, the outputs of the recorded call, which every replay rewrites)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 def slots_of(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

@@ -133,10 +133,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -149,6 +146,16 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
+    def _qkv(
+        self,
+        x: torch.Tensor,  # [n, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [n, heads, d], k and v [n, kv_heads, d]
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        return q, k, v.reshape(n, self.num_kv_heads, self.head_dim)
+
     def decode(
         self,
         x: torch.Tensor,  # [b * query_len, hidden]
@@ -160,10 +167,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [b * query_len, hidden]
         """``forward`` for a step of fixed shape, through the fused ops."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
         if self.q_norm is not None:
             q = fused_ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps)
             k = fused_ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps)

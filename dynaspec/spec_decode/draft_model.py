@@ -163,6 +163,7 @@ class DraftModelProposer(Proposer):
 
     def enable_static(self, max_num_seqs: int, max_k: int, max_model_len: int) -> None:
         self.static = StaticChain(self.runner, max_num_seqs, max_k, max_model_len)
+        self.clock = StepClock(self.ctx.device)
 
     def capture(self, pool) -> None:
         if self.static is not None:
@@ -254,7 +255,7 @@ class DraftModelProposer(Proposer):
         static, k, b = self.static, plan.k, plan.num_decodes
         rows = bucket_of(b, static.buckets)
         c = static.CATCHUP_TOKENS
-        clock = StepClock(self.ctx.device)
+        clock = self.clock
         start = clock.mark()
         ids = np.zeros((rows, c), dtype=np.int64)
         last = np.zeros(rows, dtype=np.int64)  # index of each row's last token (its catch-up's end)
