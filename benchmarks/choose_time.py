@@ -9,7 +9,7 @@ import argparse
 
 from dynaspec.bench.common import ms_per_call
 from dynaspec.engine.types import DraftCandidate
-from dynaspec.kpolicy.policy import GoodputK
+from dynaspec.kpolicy.goodput import GoodputK
 from dynaspec.kpolicy.profile import load_profile
 
 

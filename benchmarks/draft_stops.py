@@ -15,7 +15,7 @@ import collections
 from dynaspec import SamplingParams
 from dynaspec.datasets import load_prompts
 from dynaspec.engine.engine import Engine, EngineConfig
-from dynaspec.kpolicy import policy
+from dynaspec.kpolicy import goodput
 
 LENGTHS = (200, 300, 400, 500, 600, 700)
 
@@ -25,7 +25,7 @@ def main() -> None:
     p.add_argument("--profile", default="results/epyc/profile_qwen_pair_humaneval_4.json")
     args = p.parse_args()
     counts = collections.defaultdict(lambda: [0, 0, 0, 0])  # steps, asked, proposed, accepted
-    observe = policy.GoodputK.observe
+    observe = goodput.GoodputK.observe
 
     def counting(self, record):
         result = record.result
@@ -37,7 +37,7 @@ def main() -> None:
             c[3] += sum(result.num_accepted)
         return observe(self, record)
 
-    policy.GoodputK.observe = counting
+    goodput.GoodputK.observe = counting
     spec = {
         "method": "draft_model",
         "model": "qwen2.5-coder-0.5b-instruct",

@@ -38,6 +38,7 @@ import torch
 
 from dynaspec.bench.common import environment, format_table, k_policies
 from dynaspec.bench.sweep import closed_loop
+from dynaspec.engine.build import build_engine
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.engine.profiler import ProfileSettings, measure_itl
 from dynaspec.kpolicy.policy import FixedK
@@ -101,7 +102,7 @@ def make_engine(model: str, dtype: str = "bfloat16", spec: dict | None = None, *
     config = EngineConfig(
         model=model, dtype=dtype, load_format="dummy", speculative_config=spec, progress=False, **kw
     )
-    return Engine(config)
+    return build_engine(config)
 
 
 def free(engine: Engine | None) -> None:

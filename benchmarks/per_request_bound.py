@@ -12,7 +12,7 @@ Run: .venv/bin/python benchmarks/per_request_bound.py (a second)."""
 import argparse
 import itertools
 
-from dynaspec.kpolicy.policy import GoodputK
+from dynaspec.kpolicy.goodput import GoodputK
 from dynaspec.kpolicy.profile import load_profile
 
 

@@ -19,7 +19,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from dynaspec.engine.types import DraftCandidate
-from dynaspec.kpolicy.policy import GoodputK, per_token_acceptance, request_rates
+from dynaspec.kpolicy.acceptance import per_token_acceptance, request_rates
+from dynaspec.kpolicy.goodput import GoodputK
 from dynaspec.kpolicy.profile import load_profile
 
 LOADS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]

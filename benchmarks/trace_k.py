@@ -20,7 +20,7 @@ from collections import Counter
 from dynaspec.bench.common import k_policies
 from dynaspec.datasets import load_prompts
 from dynaspec.engine.engine import Engine, EngineConfig
-from dynaspec.kpolicy.policy import GoodputK
+from dynaspec.kpolicy.goodput import GoodputK
 from dynaspec.kpolicy.profile import load_profile
 from dynaspec.sampling_params import SamplingParams
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from dynaspec.engine.engine import Engine, EngineConfig
+from dynaspec.engine.build import build_engine
+from dynaspec.engine.engine import EngineConfig
 from dynaspec.engine.types import TokenLogprob
 from dynaspec.sampling_params import SamplingParams
 
@@ -28,7 +29,7 @@ class CompletionOutput:
 
 class LLM:
     def __init__(self, model: str, **engine_kwargs) -> None:
-        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
+        self.engine = build_engine(EngineConfig(model=model, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
 
     def generate(

@@ -9,7 +9,8 @@ from records import step_record
 
 from dynaspec.engine.types import DraftCandidate, StepTiming
 from dynaspec.kpolicy.cost import LiveScale, StepCostModel, fit_timings, prior_from_grid
-from dynaspec.kpolicy.policy import FixedK, GoodputK, TableK
+from dynaspec.kpolicy.goodput import GoodputK
+from dynaspec.kpolicy.policy import FixedK, TableK
 from dynaspec.kpolicy.profile import Profile, best_k, load_profile, save_profile
 
 # a machine where a target step costs 100 + 5/verify token + 3/prefill token,

@@ -24,7 +24,7 @@ from dynaspec.kpolicy.cost import (
     grid_misfit,
     prior_from_grid,
 )
-from dynaspec.kpolicy.policy import GoodputK
+from dynaspec.kpolicy.goodput import GoodputK
 from dynaspec.kpolicy.profile import (
     Profile,
     acceptance_length,

@@ -6,8 +6,11 @@ import json
 import pytest
 from records import step_record
 
+from dynaspec.kpolicy.acceptance import AcceptanceEstimate
 from dynaspec.kpolicy.config import SpeculativeConfig, table_lookup
-from dynaspec.kpolicy.policy import AcceptanceEstimate, FixedK, GoodputK, Hysteresis, TableK, make_policy
+from dynaspec.kpolicy.goodput import GoodputK
+from dynaspec.kpolicy.hysteresis import Hysteresis
+from dynaspec.kpolicy.policy import FixedK, TableK, make_policy
 from dynaspec.kpolicy.profile import (
     Profile,
     best_k,
@@ -231,7 +234,7 @@ def test_a_plain_cell_above_the_drafting_line_is_capped_before_it_pools_its_neig
 
 
 def test_request_rates_start_at_the_batch_and_follow_the_request():
-    from dynaspec.kpolicy.policy import RequestAcceptance, per_token_acceptance, request_rates
+    from dynaspec.kpolicy.acceptance import RequestAcceptance, per_token_acceptance, request_rates
 
     batch = [0.9, 0.85, 0.8, 0.75]
     assert request_rates(0.0, 0.0, batch) == pytest.approx(batch)  # no history: the batch's rates
@@ -279,7 +282,7 @@ def test_a_position_cut_by_a_confidence_stop_counts_as_not_accepted():
 
 
 def test_confidence_calibration_stops_below_break_even():
-    from dynaspec.kpolicy.policy import ConfidenceCalibration
+    from dynaspec.kpolicy.acceptance import ConfidenceCalibration
 
     cal = ConfidenceCalibration(decay=1.0, prior_weight=4.0)
     assert cal.threshold(0.0) == 0.0  # verification is free: never stop
@@ -296,7 +299,7 @@ def test_confidence_calibration_stops_below_break_even():
 
 
 def test_refine_drafts_gives_k_to_the_requests_that_accept():
-    from dynaspec.kpolicy.policy import refine_drafts
+    from dynaspec.kpolicy.goodput import refine_drafts
 
     def layer(rows, j):  # a drafter pass of 10 ms plus 4 ms per verified token
         return 10.0 + 4.0 * rows

@@ -3,6 +3,7 @@
 import itertools
 import json
 
+import pytest
 from test_engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggered
 
 from dynaspec.cli import main
@@ -157,12 +158,15 @@ def test_profile_refuses_bad_rounds(tmp_path, target_dir, capsys):
 def test_auto_profiles_once_reuses_the_cache_and_replaces_a_corrupt_one(
     target_dir, tmp_path, monkeypatch, caplog
 ):
-    """`"dynamic_config_path": "auto"` profiles the engine on first use, then reads the cached file:
-    a second engine never profiles, and a corrupt cache is replaced with a notice, not a crash."""
+    """`"dynamic_config_path": "auto"`: `build_engine` profiles the engine on first use, then reads the
+    cached file: a second engine never profiles, and a corrupt cache is replaced with a notice, not a
+    crash. `Engine(config)` alone never profiles, and refuses to step with its placeholder K."""
     import logging
 
     from dynaspec.engine import profiler
-    from dynaspec.kpolicy.policy import GoodputK
+    from dynaspec.engine.build import build_engine
+    from dynaspec.engine.engine import EngineConfig
+    from dynaspec.kpolicy.goodput import GoodputK
     from dynaspec.models.kernels import kernel_digest, kernel_error
 
     monkeypatch.setenv("DYNASPEC_CACHE", str(tmp_path))
@@ -170,8 +174,20 @@ def test_auto_profiles_once_reuses_the_cache_and_replaces_a_corrupt_one(
     calls = []
     real = profiler.run_profile
     monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def build(**kw):
+        kw = {"dtype": "float32", "kv_cache_memory_gb": 0.01, "progress": False, **kw}
+        return build_engine(EngineConfig(model=str(target_dir), **kw))
+
+    pending = make_engine(target_dir, speculative_config=spec)
+    assert pending.profile_pending and pending.k_policy.k == 3 and not calls
+    pending.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(RuntimeError, match="build_engine"):
+        pending.step()
+    assert not list(tmp_path.glob("profiles/*.json"))
+
     with caplog.at_level(logging.WARNING, logger="dynaspec"):
-        first = make_engine(target_dir, speculative_config=spec)
+        first = build(speculative_config=spec)
     cached = list((tmp_path / "profiles").glob("*.json"))
     assert len(calls) == 1 and len(cached) == 1 and "profiling this machine" in caplog.text
     assert isinstance(first.k_policy, GoodputK) and first.k_policy.max_k == 3
@@ -181,17 +197,17 @@ def test_auto_profiles_once_reuses_the_cache_and_replaces_a_corrupt_one(
     assert run_staggered(first, PROMPTS, arrive_every=2) == plain
 
     caplog.clear()
-    second = make_engine(target_dir, speculative_config=spec)
+    second = build(speculative_config=spec)
     assert len(calls) == 1 and "profiling" not in caplog.text  # reused
     assert second.k_policy.profile.batch_stats == load_profile(cached[0]).batch_stats
 
     cached[0].write_text('{"max_num_speculative_tokens": "three"')  # cut short
     with caplog.at_level(logging.WARNING, logger="dynaspec"):
-        make_engine(target_dir, speculative_config=spec)
+        build(speculative_config=spec)
     assert len(calls) == 2 and "unreadable" in caplog.text
     assert load_profile(cached[0]).batch_stats  # replaced by a good one
     # another drafter configuration is another machine profile: its own file
-    make_engine(target_dir, speculative_config={**spec, "num_speculative_tokens": 2})
+    build(speculative_config={**spec, "num_speculative_tokens": 2})
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
     # so are other C++ kernels (a new version prices every step anew)
     key = profiler.auto_profile_key(second, second.config.speculative_config)

@@ -12,7 +12,7 @@ from test_spec import RaggedK
 
 from dynaspec import SamplingParams
 from dynaspec.engine.types import DraftCandidate
-from dynaspec.kpolicy.policy import EVERY_N_UP_TO, GoodputK
+from dynaspec.kpolicy.goodput import EVERY_N_UP_TO, GoodputK
 from dynaspec.kpolicy.profile import Profile
 from dynaspec.models.attention import build_attention_metadata, paged_attention
 
@@ -116,7 +116,7 @@ def test_batched_prefill_groups_attend_as_one_group_per_chunk():
 def test_pricing_the_counts_where_goodput_can_peak_chooses_as_pricing_every_count(monkeypatch):
     """Beyond EVERY_N_UP_TO requests the policy prices only the counts where the goodput can peak
     (peak_counts): its choice equals the choice over every count."""
-    from dynaspec.kpolicy import policy as module
+    from dynaspec.kpolicy import goodput as module
 
     rng = random.Random(0)
     for trial in range(40):

@@ -34,7 +34,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dynaspec.bench.common import format_table, write_result
-from dynaspec.kpolicy.policy import GoodputK, Hysteresis
+from dynaspec.kpolicy.goodput import GoodputK
+from dynaspec.kpolicy.hysteresis import Hysteresis
 from dynaspec.kpolicy.profile import interpolate_itl, load_profile, smooth_itl
 from dynaspec.kpolicy.routing import Candidate, choose, prediction_curve
 

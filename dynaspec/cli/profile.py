@@ -55,7 +55,8 @@ def _batch_sizes(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from dynaspec.datasets import load_prompts
-    from dynaspec.engine.engine import Engine, EngineConfig
+    from dynaspec.engine.build import build_engine
+    from dynaspec.engine.engine import EngineConfig
     from dynaspec.engine.profiler import ProfileSettings, run_profile
     from dynaspec.kpolicy.config import SpeculativeConfig
     from dynaspec.kpolicy.profile import save_profile
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], sizes[-1], args.num_prompts)
     kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], sizes[-1] * (max_k + 1))
-    engine = Engine(EngineConfig(model=args.model, **kwargs))
+    engine = build_engine(EngineConfig(model=args.model, **kwargs))
     settings = ProfileSettings(
         batch_sizes=sizes,
         max_k=max_k,

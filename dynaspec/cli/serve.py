@@ -65,7 +65,8 @@ def build_server(args: argparse.Namespace):
     """The backend (one engine loop, or a client of engine replicas) and the app over it; returns
     (app, backend)."""
     from dynaspec.engine.args import check_at_least
-    from dynaspec.engine.engine import Engine, EngineConfig
+    from dynaspec.engine.build import build_engine
+    from dynaspec.engine.engine import EngineConfig
     from dynaspec.kpolicy.config import SpeculativeConfig
     from dynaspec.server.app import build_app
     from dynaspec.server.middleware import GuardConfig
@@ -85,7 +86,9 @@ def build_server(args: argparse.Namespace):
     else:
         from dynaspec.server.engine_loop import EngineLoop
 
-        backend = EngineLoop(Engine(config), max_waiting=args.max_waiting, stats_interval=args.stats_interval)
+        backend = EngineLoop(
+            build_engine(config), max_waiting=args.max_waiting, stats_interval=args.stats_interval
+        )
     guard = GuardConfig(
         api_key=args.api_key or None,
         protect_metrics=args.protect_metrics,

@@ -7,14 +7,14 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from dynaspec.engine.kv_cache import BlockAllocator, kv_bytes_per_token
-from dynaspec.engine.profiler import AUTO, AUTO_MAX_K, auto_profile
 from dynaspec.engine.request import Request, RequestOutput
 from dynaspec.engine.runner import ModelRunner
 from dynaspec.engine.sampler import SamplingTensors, score_prompts
@@ -32,7 +32,12 @@ from dynaspec.spec_decode.rejection import verify
 from dynaspec.spec_decode.stats import SpecStats
 from dynaspec.spec_decode.synthetic import SyntheticAcceptance
 
+if TYPE_CHECKING:
+    from dynaspec.kpolicy.profile import Profile
+
 log = logging.getLogger(__name__)
+AUTO = "auto"  # dynamic_config_path: profile the engine on first use (engine/build.py), cached
+AUTO_MAX_K = 5  # the largest K an auto profile measures unless num_speculative_tokens says otherwise
 
 
 @dataclass(slots=True)
@@ -155,10 +160,10 @@ class Engine:
         self._reset_counters()
         spec = config.speculative_config
         self._k_policy: KPolicy | None = None
-        if spec is not None and spec.dynamic_config_path == AUTO:  # profile this engine on first use
+        # "auto": K fixed at the largest, and no step, until ``profile_auto`` installs the profiled policy
+        self._profile_pending = spec is not None and spec.dynamic_config_path == AUTO
+        if self._profile_pending:
             self._k_policy = FixedK(spec.num_speculative_tokens or AUTO_MAX_K)
-            self._k_policy = make_policy(spec, auto_profile(self, spec))
-            self._reset_counters()  # the profiling steps are not the user's
         elif spec is not None:
             self._k_policy = make_policy(spec)
 
@@ -258,6 +263,27 @@ class Engine:
         previous, self._k_policy = self._k_policy, policy
         return previous
 
+    @property
+    def profile_pending(self) -> bool:
+        """``"dynamic_config_path": "auto"`` not yet profiled: ``step`` refuses to run until it is."""
+        return self._profile_pending
+
+    def profile_auto(self, profile: Callable[[Engine, SpeculativeConfig], Profile]) -> None:
+        """Resolve ``"auto"``: ``profile`` measures this engine (it steps it, under its own fixed Ks)
+        and the goodput policy made from what it returns chooses K from then on. The engine never
+        profiles itself: ``engine.build.build_engine`` passes ``profiler.auto_profile``."""
+        if not self._profile_pending:
+            raise RuntimeError('profile_auto: the engine has no pending "dynamic_config_path": "auto"')
+        spec = self.config.speculative_config
+        self._profile_pending = False  # the profiler's steps
+        try:
+            policy = make_policy(spec, profile(self, spec))
+        except BaseException:
+            self._profile_pending = True
+            raise
+        self._k_policy = policy
+        self._reset_counters()  # the profiling steps are not the user's
+
     def set_synthetic_acceptance(self, rates: float | list[float] | None) -> None:
         """Accept drafts at these rates whatever the tokens (not lossless: benchmarks with dummy
         weights; ``synthetic_acceptance_rate``), or verify them (None)."""
@@ -276,6 +302,11 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._profile_pending:
+            raise RuntimeError(
+                '"dynamic_config_path": "auto": this engine is not profiled yet; build it with '
+                "dynaspec.engine.build.build_engine(config), or call engine.profile_auto(auto_profile)"
+            )
         plan = self.scheduler.schedule(self._k_policy)  # who runs, tokens each, K for this step
         if self._synthetic is not None:  # acceptance that ignores the tokens ignores their confidence
             plan.min_draft_confidence = 0.0

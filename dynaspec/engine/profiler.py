@@ -11,9 +11,10 @@ drafter pass) and, together with drafter passes over whole prompts (the catch-up
 costs), fitted into the profile's ``cost_model``, the prior of the goodput policy's live cost
 model.
 
-``auto_profile`` is ``"dynamic_config_path": "auto"``: a quick profile of the engine itself on
-first use, cached under the cache directory keyed by everything that changes its figures (target,
-drafter, quantization, dtypes, device, CPU, threads, torch), and read back after.
+``auto_profile`` is ``"dynamic_config_path": "auto"``: a quick profile of the engine on first use
+(``engine.build.build_engine`` runs it; the engine never profiles itself), cached under the cache
+directory keyed by everything that changes its figures (target, drafter, quantization, dtypes,
+device, CPU, threads, torch), and read back after.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from dynaspec.datasets import load_prompts
+from dynaspec.engine.engine import AUTO_MAX_K, Engine
 from dynaspec.engine.types import DraftPass, StepTiming
 from dynaspec.kpolicy.config import SpeculativeConfig
 from dynaspec.kpolicy.cost import fit_timings
@@ -52,12 +53,7 @@ from dynaspec.models.kernels import kernel_digest, kernel_error
 from dynaspec.models.packs import cache_root
 from dynaspec.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from dynaspec.engine.engine import Engine
-
 log = logging.getLogger(__name__)
-AUTO = "auto"  # dynamic_config_path: profile on first use, cached
-AUTO_MAX_K = 5  # the largest K an auto profile measures unless num_speculative_tokens says otherwise
 # how profiles are measured, in the auto profile's key: 2 = n-gram rows filled when timed (a
 # cached profile of an earlier version is measured again), batch sizes 1-32 with 12 and 24;
 # 3 = the engine's step costs changed under it (blocked attention, logits memory reused); 4 = cells

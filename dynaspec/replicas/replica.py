@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 from ray import serve
 
-from dynaspec.engine.engine import Engine, EngineConfig
-from dynaspec.kpolicy.policy import GoodputK
+from dynaspec.engine.build import build_engine
+from dynaspec.engine.engine import EngineConfig
+from dynaspec.kpolicy.goodput import GoodputK
 from dynaspec.kpolicy.routing import prediction_curve, proxy_curve
 from dynaspec.replicas.board import ReplicaReport
 from dynaspec.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ class EngineReplica:
         self, engine_config: EngineConfig, max_waiting: int | None, num_threads: int, stats_interval: float
     ) -> None:
         torch.set_num_threads(num_threads)
-        self.engine = Engine(engine_config)
+        self.engine = build_engine(engine_config)
         self.loop = EngineLoop(self.engine, max_waiting=max_waiting, stats_interval=stats_interval)
         self.loop.start()
         self.replica_id = serve.get_replica_context().replica_id.unique_id

@@ -1,0 +1,389 @@
+"""The goodput policy: K* = argmax_K AL(K) / ITL(bs, K), chosen together with which requests draft.
+
+``GoodputK`` prices each (K, n drafting requests) from a profile, with acceptance
+(``kpolicy.acceptance``) and step costs (``kpolicy.cost``) that follow live traffic; by default it
+then gives each request its own K and tunes draft confidence stops from what the target accepted.
+Its helpers: ``peak_counts`` (the counts of drafting requests worth pricing on a wide load),
+``refine_drafts`` (per-request K by local search), ``asked_positions`` (what a step's acceptance
+counts) and the loads up to which each search runs (``EVERY_N_UP_TO``, ``PER_REQUEST_UP_TO``).
+Every division is guarded: empty or zero data never crashes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+
+from dynaspec.engine.types import DraftCandidate, StepRecord
+from dynaspec.kpolicy.acceptance import AcceptanceEstimate, ConfidenceCalibration, RequestAcceptance
+from dynaspec.kpolicy.cost import StepCostModel, prior_from_grid
+from dynaspec.kpolicy.hysteresis import Hysteresis, log_change
+from dynaspec.kpolicy.profile import (
+    Profile,
+    acceptance_length,
+    checked_cost_model,
+    interpolate_itl,
+    smooth_itl,
+)
+
+log = logging.getLogger(__name__)
+
+
+EVERY_N_UP_TO = 32  # loads up to this many requests price every count of drafting requests
+# loads up to this many requests get a K each (refine_drafts); a larger one, where one request's K
+# moves the step's goodput little and the search's host time grows with the load, the uniform K
+PER_REQUEST_UP_TO = 64
+
+
+def peak_counts(bs: int, k: int, runs: list[int]) -> list[int]:
+    """The counts n of drafting requests (1..bs) at which the goodput of K=k can peak. Between two
+    of them the time of a step is linear in n (the requests added owe the drafter alike, and the
+    grid is read linearly between its columns, at n*k/bs), so the goodput, a ratio of two linear
+    functions of n, is monotone there and peaks at an end: the ends of the runs of alike requests
+    (``runs``: n where the n-th and the next differ), the grid's columns (n*k/bs whole), 1 and bs."""
+    out = {1, bs, *runs, *(n + 1 for n in runs if n < bs)}
+    for j in range(1, k):
+        out.update((bs * j // k, -(-bs * j // k)))
+    return sorted(n for n in out if 1 <= n <= bs)
+
+
+def _key(candidates: Sequence[DraftCandidate], cost: list[float], i: int) -> tuple[float, bool]:
+    return cost[i], not candidates[i].decoding
+
+
+def refine_drafts(
+    start: Sequence[int],
+    rates: Sequence[Sequence[float]],
+    charges: Sequence[float],
+    caps: Sequence[int],
+    drafted_cost: Callable[[tuple[int, ...]], float],
+    plain_ms: float,
+    batch_size: int,
+) -> list[int]:
+    """Per-request K by local search on the step's expected goodput, from ``start`` (e.g. the best
+    uniform K).
+
+    Request i drafting k_i tokens adds its expected accepted tokens sum(rates[i][:k_i]); the
+    step's draft positions form layers, layer j holding the m_j requests with k_i > j, and
+    ``drafted_cost(m)`` is what the drafts add to a plain step in ms (drafter passes and verified
+    tokens) given m = (m_0, m_1, ...); a drafting request also pays ``charges[i]`` ms per token it
+    generates (drafter catch-up). Goodput is
+
+        (batch_size + sum_i sum(rates[i][:k_i])) / (plain_ms + drafted_cost(m) + catch-up)
+
+    and each request's k_i (0..caps[i]) moves up or down by one while that raises it.
+    """
+    ks = [min(k, cap) for k, cap in zip(start, caps)]
+    max_k = max(caps, default=0)
+    m = [sum(k > j for k in ks) for j in range(max_k)]
+
+    cumulative = [list(itertools.accumulate(r, initial=0.0)) for r in rates]
+
+    def tokens_of(i: int, k: int) -> float:
+        return cumulative[i][min(k, len(rates[i]))]
+
+    def charge_of(i: int, k: int) -> float:
+        return charges[i] * (1.0 + tokens_of(i, k)) if k else 0.0
+
+    def drafted(layers: list[int]) -> float:
+        return drafted_cost(tuple(c for c in layers if c)) if any(layers) else 0.0
+
+    tokens = batch_size + sum(tokens_of(i, k) for i, k in enumerate(ks))
+    time = plain_ms + drafted(m) + sum(charge_of(i, k) for i, k in enumerate(ks))
+    if time <= 0:
+        return ks
+    for _ in range(2 * max_k + 2):
+        improved = False
+        for i in range(len(ks)):
+            for new in (ks[i] + 1, ks[i] - 1):
+                if not 0 <= new <= caps[i]:
+                    continue
+                j = min(new, ks[i])  # the layer the request joins or leaves
+                step = 1 if new > ks[i] else -1
+                moved = m[:j] + [m[j] + step] + m[j + 1 :]
+                d_time = drafted(moved) - drafted(m) + charge_of(i, new) - charge_of(i, ks[i])
+                d_tokens = tokens_of(i, new) - tokens_of(i, ks[i])
+                if time + d_time > 0 and (tokens + d_tokens) / (time + d_time) > tokens / time * (1 + 1e-9):
+                    tokens, time = tokens + d_tokens, time + d_time
+                    m = moved
+                    ks[i] = new
+                    improved = True
+                    break
+        if not improved:
+            break
+    return ks
+
+
+class GoodputK:
+    """K* = argmax AL(K) / ITL(bs, K), with live acceptance, live step costs, and who drafts; then,
+    with ``per_request``, a K for each request.
+
+    ITL(bs, K) is the profile's grid (smoothed, interpolated) times the drift the live cost model
+    (``kpolicy.cost``) has seen since the profile. Drafts are priced by one function,
+    D(bs; m) = ``drafted_cost``: m = (m_0, m_1, ...) rows drafting positions 0, 1, ... add the rows
+    they verify at the prices of the grid's row for the whole load (ITL(bs, K) read at K = drafted
+    tokens / bs: rows join a step of bs requests, so they cost what rows cost there, not what they
+    would cost alone), and the drafter passes they run. A draft model must first catch up on the
+    tokens it has not seen (a new request's whole prompt), so request i costs c_i = catch-up ms per
+    token x the tokens it owes per generated token. With requests sorted by c_i, for every K and
+    every n the step's goodput is
+
+        (bs + n (AL(K) - 1)) / (ITL(bs, 0) + D(bs; n, ..., n [K times]) + AL(K) * sum_{i<n} c_i)
+
+    and the best (K, n) wins, with hysteresis on K. bs is the load (every running request,
+    prefilling ones included, and waiting ones up to max_num_seqs): the decode batch dips whenever
+    arrivals are prefilled, so it would mislead. Only decoding candidates draft.
+
+    Per request (the default), that uniform choice is the start of ``refine_drafts``: each
+    request's K moves by one while the step's expected goodput rises, with the request's own
+    acceptance (``request_rates``) and the same D, so the search never leaves its start for a
+    worse step. Without per-request K, a drafting slot is also charged the steady-state catch-up
+    of the request that will replace it (one prompt per output budget); per request, each
+    request pays what it owes when it drafts, and a replacement pays its own.
+
+    Exploration: K=0 measures nothing, so a profile that underrates the traffic would never be
+    corrected (one that overrates it is, by the drafts it wastes). When no request would draft,
+    fewer than ``explore_below`` live drafts (decayed) stand behind the acceptance estimate, and
+    drafting would pay were every α_i halfway from the estimate to 1, the request owing the drafter
+    least drafts one token. Where even that hope would not draft (a wide batch), nothing is
+    probed; where it would, the estimate keeps about ``explore_below`` drafts of evidence: a probe
+    each time it fades from explore_below + 1 back under it, every ln(1 + 1/explore_below)/(1-decay)
+    steps (11 by default) while K=0 stays right, one row of one draft token, a few percent of such
+    a step, plus, with a draft model, the catch-up on what that request has not read. That can be
+    its whole context (0.53 s after 170 steps of K=0 at 5 requests in the pair's rollout), and it
+    is still paid: skipping such probes stopped a profile that underrates the traffic from being
+    corrected at all (results/RESULTS.md, "A probe's price").
+
+    Confidence stops: a decode stops drafting at a position whose drafter top probability is below
+    ``min_draft_confidence()``, fixed by ``min_confidence`` or, when that is None, the top of the
+    confidence bins whose measured acceptance is below break-even, V * bs / ITL(bs, 0) (V: what a
+    verified token adds to a target pass; an accepted token is worth a plain step's time per token).
+    """
+
+    def __init__(
+        self,
+        profile: Profile,
+        max_k: int,
+        hysteresis_steps: int = 3,
+        cost_model: StepCostModel | None = None,
+        per_request: bool = True,
+        min_confidence: float | None = None,
+        explore_below: float = 4.0,
+        source: str = "(given in memory)",
+        **estimate_kwargs,
+    ) -> None:
+        self.profile = profile
+        self.itl_grid = smooth_itl(
+            profile.batch_stats
+        )  # the profiled ITL(bs, K), measurement noise taken out
+        self.max_k = max(0, min(max_k, profile.max_num_speculative_tokens))
+        self.acceptance = AcceptanceEstimate(profile.acceptance_rate_per_pos, self.max_k, **estimate_kwargs)
+        self.hysteresis = Hysteresis(hysteresis_steps)
+        self.k_by_batch_size: dict[int, int] = {}
+        if cost_model is None:
+            checked = checked_cost_model(profile, source)
+            if checked is not None:
+                cost_model = StepCostModel(checked["target_ms"], checked["draft_pass_ms"])
+            else:  # priced from the grid: its intercept holds the step overhead, so one live scale
+                cost_model = StepCostModel(*prior_from_grid(self.itl_grid), shared_scale=True)
+        self.costs = cost_model
+        self.per_request = per_request
+        self.requests = RequestAcceptance()
+        self.fixed_confidence = min_confidence
+        self.calibration = ConfidenceCalibration()
+        self.load = 0  # the load of the last choice (for the confidence stop's break-even)
+        self.explore_below = explore_below
+        self.num_probes = 0  # steps where one request drafted only to measure acceptance
+        self.num_withheld = 0  # request-steps kept from drafting because their catch-up would not pay
+
+    def itl(self, batch_size: int, k: int) -> float | None:
+        """ITL(bs, K) in ms: the profile's, times the live drift; the cost model's alone off the grid."""
+        base = interpolate_itl(self.itl_grid, batch_size, k)
+        if base is None:
+            model = self.costs.itl(batch_size, k)
+            return model if model > 0 else None
+        return base * self.costs.drift(batch_size, k)
+
+    def k_for_batch(self, batch_size: int) -> int:
+        """K for a batch whose drafter is caught up everywhere."""
+        return self._choose([DraftCandidate(1, 1 << 30)] * batch_size, explore=False)[0]
+
+    def choose(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
+        return self._choose(candidates, explore=True)
+
+    def _choose(self, candidates: Sequence[DraftCandidate], explore: bool) -> tuple[int, list[int]]:
+        bs = self.load = len(candidates)
+        if bs == 0:
+            return 0, []
+        alpha = self.acceptance.rates()
+        per_token = self.costs.catchup_ms_per_token()
+        if self.per_request:
+            cost = [per_token * c.catchup_owed() for c in candidates]
+        else:
+            cost = [per_token * c.catchup_per_token() for c in candidates]
+        order = sorted(range(bs), key=lambda i: (cost[i], not candidates[i].decoding))
+        prefix = [0.0]
+        for i in order:
+            prefix.append(prefix[-1] + cost[i])
+        plain = self.itl(bs, 0)
+        drafted_cost = self._drafted_pricer(bs)
+        runs = [
+            n
+            for n in range(1, bs)
+            if _key(candidates, cost, order[n - 1]) != _key(candidates, cost, order[n])
+        ]
+        scores = self._scores(bs, plain, alpha, prefix, drafted_cost, runs)  # {(k, n): goodput}
+        wanted = max(scores, key=lambda kn: (scores[kn], -kn[0], kn[1]))[0] if scores else 0
+        k = self.hysteresis.update(wanted)
+        n = (
+            max((kn for kn in scores if kn[0] == k), key=lambda kn: (scores[kn], kn[1]), default=(k, 0))[1]
+            if k
+            else 0
+        )
+        drafts = [0] * bs
+        for i in order[:n]:
+            drafts[i] = k if candidates[i].decoding else 0
+        # what each request may draft: decoding ones, up to one token fewer than they have left
+        caps = [min(self.max_k, max(0, c.tokens_left - 1)) if c.decoding else 0 for c in candidates]
+        if self.per_request and self.max_k and plain and bs <= PER_REQUEST_UP_TO:
+            drafts = refine_drafts(
+                drafts,
+                [self.requests.rates(c.request_id, alpha) for c in candidates],
+                cost,
+                caps,
+                drafted_cost,
+                plain,
+                bs,
+            )
+            k = max(drafts)
+        num_decoding = sum(c.decoding for c in candidates)
+        self.num_withheld += num_decoding - sum(d > 0 for d in drafts) if k else 0
+        if log_change(self.k_by_batch_size, bs, k, "goodput"):
+            log.info("acceptance estimate per position: %s", " ".join(f"{a:.2f}" for a in alpha))
+        if explore and not k and plain and any(caps) and self.acceptance.evidence() < self.explore_below:
+            hopeful = self._scores(bs, plain, [a + (1.0 - a) / 2 for a in alpha], prefix, drafted_cost, runs)
+            if max(hopeful, key=hopeful.get)[0]:  # the probe: the request owing the drafter least
+                drafts[min((i for i in range(bs) if caps[i]), key=cost.__getitem__)], k = 1, 1
+                self.num_probes += 1
+        return k, drafts
+
+    def drafted_cost(self, bs: int, layers: tuple[int, ...]) -> float:
+        """What drafts add to a plain step of ``bs`` requests, ``layers[j]`` of them drafting
+        position j: the target's share of ITL(bs, K) at K = (drafted tokens) / bs, read between
+        the grid's columns (a step's cost follows the rows it verifies, and the grid's row at this
+        bs has them at this bs's prices: on this CPU whole 16-row blocks), less that K's drafter
+        passes over bs rows, plus the drafter passes actually run, one per layer of its rows
+        (``StepCostModel.draft_pass_ms``: none for n-gram)."""
+        return self._drafted_pricer(bs)(layers)
+
+    def _drafted_pricer(self, bs: int) -> Callable[[tuple[int, ...]], float]:
+        """``drafted_cost`` at one load, memoized: the grid's row at bs and the drafter's passes
+        read once, for the many sets of layers one choice prices."""
+        row = [self.itl(bs, k) for k in range(self.max_k + 1)] if bs > 0 else []
+        draft_pass = functools.cache(self._pass_pricer(bs, row))
+
+        @functools.cache
+        def cost(layers: tuple[int, ...]) -> float:
+            drafted = sum(layers)
+            if not drafted or bs <= 0:
+                return 0.0
+            k = min(drafted / bs, float(self.max_k))
+            lo = int(k)
+            low, plain = row[lo], row[0]
+            high = row[lo + 1] if k > lo else low
+            if low is None or high is None or plain is None:
+                return float("inf")
+            spec = low + (high - low) * (k - lo)
+            target = max(0.0, spec - plain - k * draft_pass(bs))
+            return target + sum(draft_pass(rows) for rows in layers if rows)
+
+        return cost
+
+    def _pass_pricer(self, bs: int, row: list[float | None]) -> Callable[[int], float]:
+        """``StepCostModel.draft_pass_ms`` at a load of bs, scaled down where K passes over bs rows
+        would cost more than the grid's row lets them: (ITL(bs, K) - ITL(bs, 0)) / K for every K
+        (a drafter pass runs inside that difference). A cost model that agrees with the grid is
+        left as it is; one that does not cannot price a uniform K above the grid's own step."""
+        full = self.costs.draft_pass_ms(bs)
+        room = [(t - row[0]) / k for k, t in enumerate(row) if k and t is not None and row[0] is not None]
+        ceiling = max(0.0, min(room, default=full))
+        factor = ceiling / full if full > ceiling else 1.0
+        return lambda rows: self.costs.draft_pass_ms(rows) * factor
+
+    def _scores(
+        self,
+        bs: int,
+        plain: float | None,
+        alpha: list[float],
+        prefix: list[float],
+        drafted_cost: Callable[[tuple[int, ...]], float],
+        runs: list[int],
+    ) -> dict[tuple[int, int], float]:
+        """Goodput of (K, n first requests) over a plain step of ``plain`` ms (None: unknown), the n
+        rows' K positions priced by ``drafted_cost`` (that of refine_drafts), for every n up to
+        ``EVERY_N_UP_TO`` requests; beyond, for the n where the goodput can peak (``peak_counts``):
+        the host time of a choice must stay small beside a GPU step of a few milliseconds."""
+        if plain is None:
+            return {}
+        scores = {(0, 0): bs / plain}
+        for k in range(1, self.max_k + 1):
+            al = acceptance_length(alpha, k)
+            for n in range(1, bs + 1) if bs <= EVERY_N_UP_TO else peak_counts(bs, k, runs):
+                drafted = drafted_cost((n,) * k)
+                if drafted != float("inf"):
+                    scores[(k, n)] = (bs + n * (al - 1)) / (plain + drafted + al * prefix[n])
+        return scores
+
+    def min_draft_confidence(self) -> float:
+        if self.fixed_confidence is not None:
+            return self.fixed_confidence
+        bs = max(1, self.load)
+        plain = self.itl(bs, 0)
+        if not plain or plain <= 0:
+            return 0.0
+        return self.calibration.threshold(min(1.0, self.costs.verify_ms_per_token() * bs / plain))
+
+    def observe(self, record: StepRecord) -> None:
+        result = record.result
+        self.requests.release(record.plan.released)
+        if result.draft_lens:
+            lens = asked_positions(record)
+            self.acceptance.observe(lens, result.num_accepted)
+            ids = [r.request_id for r in record.plan.decodes]
+            self.requests.observe(ids, lens, result.num_accepted)
+            if record.draft_confidence is not None:
+                self.calibration.observe(record.draft_confidence, result.draft_lens, result.num_accepted)
+        self.costs.observe(record.timing)
+
+    def snapshot(self) -> dict:
+        return {
+            "policy": "goodput",
+            "per_request": self.per_request,
+            "k": self.hysteresis.current,
+            "k_by_batch_size": dict(sorted(self.k_by_batch_size.items())),
+            "acceptance_rate_per_pos": [round(a, 4) for a in self.acceptance.rates()],
+            "requests_withheld": self.num_withheld,
+            "probes": self.num_probes,
+            "min_draft_confidence": round(self.min_draft_confidence(), 3),
+            "acceptance_by_confidence": self.calibration.snapshot(),
+            "cost_model": self.costs.snapshot(),
+        }
+
+
+def asked_positions(record: StepRecord) -> list[int]:
+    """The draft positions the acceptance estimates count for each decode of a step.
+
+    A draft model runs a pass for every position it was asked for until a confidence stop; a
+    position cut by the stop adds no token but its pass was paid. So with a drafter (the step
+    carries draft confidences) acceptance is counted per position asked (``k_caps``), a stopped one
+    counting as not accepted, and the expected tokens the policy weighs against the passes it buys
+    are those it gets: at temperature 1.0 stops cut 20-40% of asked positions at 2-6 requests,
+    where the rate per proposed token was 0.75-0.89 and per asked 0.45-0.65 (results/RESULTS.md,
+    "The decoder stack as one call"). An n-gram proposer pays nothing for a position it cannot
+    fill (no match costs no pass and no verification), so it counts what it proposed."""
+    lens = record.result.draft_lens
+    if record.draft_confidence is None:
+        return list(lens)
+    return [max(d, k) for d, k in zip(lens, record.plan.k_caps)]
