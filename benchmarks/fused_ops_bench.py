@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dynaspec.bench.common import environment
 from dynaspec.engine.static_pass import capture_graph
 from dynaspec.models import fused_ops
 
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         where = f"{r.model:>6} {r.batch:>4} {r.query_len:>2} {r.op:<16}"
         print(f"{where} {kernel} {graph} {r.twin_us:10.1f} {speedup} {gbps}")
     record = {
+        "environment": environment(),
         "device": torch.cuda.get_device_name() if cuda else "cpu (dry run)",
         "dtype": str(dtype),
         "context": context,

@@ -1,8 +1,11 @@
 """`dynaspec bench decode` and `bench spec` run end to end on tiny models (transformers included)."""
 
 import json
+import re
+from pathlib import Path
 
 from dynaspec.cli import main
+from dynaspec.provenance import git_commit
 
 
 def test_bench_decode_tiny(tmp_path, target_dir):
@@ -34,6 +37,9 @@ def test_bench_decode_tiny(tmp_path, target_dir):
         assert r["dynaspec_decode_tokens_per_s"] > 0 and r["transformers_decode_tokens_per_s"] > 0
         assert 0 <= r["greedy_tokens_agreeing_prefix"]["transformers"] <= r["greedy_tokens_total"]
     assert report["environment"]["torch"]
+    assert report["environment"]["commit"] == git_commit()
+    if (Path(__file__).parents[1] / ".git").exists():  # a clone: the figure names its commit
+        assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", report["environment"]["commit"])
 
 
 def test_bench_decode_at_a_long_context(tmp_path, target_dir, capsys):

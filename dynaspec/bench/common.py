@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from dynaspec.provenance import git_commit
+
 
 def environment() -> dict[str, Any]:
     from dynaspec.engine.profiler import cpu_name
@@ -21,6 +23,7 @@ def environment() -> dict[str, Any]:
     cpu = cpu_name()
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -79,7 +82,8 @@ def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: i
     ``K=<k>`` fixed; with a profile, ``table`` (its per-batch-size table), ``goodput`` (one K for
     the load, who drafts: the batch-level rule) and ``per-request`` (a K per request and confidence
     stops tuned online: the engine's default with a profile)."""
-    from dynaspec.kpolicy.policy import FixedK, GoodputK, TableK
+    from dynaspec.kpolicy.goodput import GoodputK
+    from dynaspec.kpolicy.policy import FixedK, TableK
 
     policies: dict[str, Any] = {f"K={k}": (lambda k=k: FixedK(k)) for k in fixed_ks}
     if profile is not None:
