@@ -1,7 +1,7 @@
 import functools
 
 import pytest
-from tiny import cached_tiny_model_dir
+from support.tiny import cached_tiny_model_dir
 
 from dynaspec.models import packs
 

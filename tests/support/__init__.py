@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (not test modules): import as `from support.engine import ...`."""
