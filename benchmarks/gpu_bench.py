@@ -16,7 +16,7 @@ that runs out of time or fails still leaves the others' figures):
   equality  greedy speculative == plain, float32 and bfloat16, on the 0.5B shape drafting for itself
             and with the 1.5B shape's drafter
 Run it on the GPU machine with the tokenizer files of the Qwen2.5 packs in --tokenizer:
-  python benchmarks/gpu_bench.py --tokenizer .gpu/tokenizer --out results/gpu/h200.json
+  python benchmarks/gpu_bench.py --tokenizer .gpu/tokenizer --out results/h200/h200.json
 On a CPU, ``--dry-run`` runs every stage on tiny shapes in seconds (no figures worth keeping).
 """
 
@@ -378,7 +378,7 @@ STAGE_S = {"plain": 90, "pair7": 200, "equality": 60}
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", help="directory with the packs' tokenizer files (required to run)")
-    ap.add_argument("--out", default="results/gpu/gpu_bench.json")
+    ap.add_argument("--out", default="results/h200/gpu_bench.json")
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU): checks the script runs")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")

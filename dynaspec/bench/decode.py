@@ -41,7 +41,11 @@ def add_parser(sub) -> None:
         help="comma-separated, of dynaspec, llama.cpp (same GGUF, llama-cpp-python), transformers",
     )
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: torch's)")
-    p.add_argument("--result-file", default="results/bench_decode.json")
+    p.add_argument(
+        "--result-file",
+        default="bench-results/decode.json",
+        help="JSON path (default %(default)s: out of the record under results/)",
+    )
     p.set_defaults(func=run)
 
 

@@ -57,7 +57,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-llamacpp", action="store_true")
-    p.add_argument("--result-file", default="results/bench_footprint.json")
+    p.add_argument(
+        "--result-file",
+        default="bench-results/footprint.json",
+        help="JSON path (default %(default)s: out of the record under results/)",
+    )
     p.set_defaults(func=run)
 
 

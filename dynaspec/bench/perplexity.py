@@ -23,7 +23,11 @@ def add_parser(sub) -> None:
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--configs", default="auto,none", help="dynaspec --quantization values to evaluate")
     p.add_argument("--no-llamacpp", action="store_true")
-    p.add_argument("--result-file", default="results/bench_perplexity.json")
+    p.add_argument(
+        "--result-file",
+        default="bench-results/perplexity.json",
+        help="JSON path (default %(default)s: out of the record under results/)",
+    )
     p.set_defaults(func=run)
 
 

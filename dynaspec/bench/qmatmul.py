@@ -52,9 +52,13 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-file", default="results/bench_qmatmul.json")
     p.add_argument(
-        "--plot", default=None, help="PNG path for a plot of ms vs rows (e.g. results/bench_qmatmul.png)"
+        "--result-file",
+        default="bench-results/qmatmul.json",
+        help="JSON path (default %(default)s: out of the record under results/)",
+    )
+    p.add_argument(
+        "--plot", default=None, help="PNG path for a plot of ms vs rows (e.g. bench-results/qmatmul.png)"
     )
     p.set_defaults(func=run)
 

@@ -53,8 +53,16 @@ def add_parser(sub) -> None:
     p.add_argument("--report-period-ms", type=float, default=500.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=3, help="traffic draws averaged per figure")
-    p.add_argument("--result-file", default="results/replicas_sim.json")
-    p.add_argument("--plot", default="docs/replicas_sim.png")
+    p.add_argument(
+        "--result-file",
+        default="bench-results/replicas_sim.json",
+        help="JSON path (default %(default)s: out of the record under results/)",
+    )
+    p.add_argument(
+        "--plot",
+        default="bench-results/replicas_sim.png",
+        help="PNG of latency against replicas (default %(default)s; the record's is docs/replicas_sim.png)",
+    )
     p.set_defaults(func=run)
 
 

@@ -30,7 +30,18 @@ def add_parser(sub) -> None:
     p = sub.add_parser("rollout", help="RL-rollout batch: makespan and the tail, per K configuration")
     add_engine_args(p, model_required=False)
     p.set_defaults(model="qwen2.5-coder-1.5b-instruct")
-    p.add_argument("--profile", default=None, help="profile JSON: adds the table and goodput configs")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help='profile JSON: adds the table and goodput configs (a spec with "dynamic_config_path": "auto" '
+        "uses the engine's own cached profile, made on first use)",
+    )
+    p.add_argument(
+        "--policies",
+        default=",".join(("table", *DYNAMIC_CONFIGS)),
+        help="with a profile, which of its policies run: table, goodput (one K for the load), "
+        "per-request (a K per request: what an engine with a profile uses)",
+    )
     p.add_argument("--dataset", default="mtbench")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=512, help="cap per request (EOS ends most before)")
@@ -58,7 +69,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--rollout-seed", type=int, default=0, help="lengths and per-request sampling seeds")
-    p.add_argument("--result-file", default="results/bench_rollout.json")
+    p.add_argument(
+        "--result-file",
+        default="bench-results/rollout.json",
+        help="JSON path (default %(default)s: out of the record under results/)",
+    )
     p.add_argument("--plot", default=None, help="PNG: running batch size and K over time per config")
     p.set_defaults(func=run)
 
@@ -123,6 +138,35 @@ def rollout(engine, prompts: list, params: list) -> dict:
     }
 
 
+RUNNING_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 1 << 30))
+
+
+def k_by_running(runs: list[list]) -> list[dict]:
+    """How many steps chose each K, per range of running requests (the load), over all rounds."""
+    out = []
+    for lo, hi in RUNNING_BUCKETS:
+        counts: dict[int, int] = {}
+        for series in runs:
+            for _, running, k, _ in series:
+                if lo <= running <= hi:
+                    counts[k] = counts.get(k, 0) + 1
+        if counts:
+            out.append({"running": [lo, hi], "steps_by_k": {str(k): counts[k] for k in sorted(counts)}})
+    return out
+
+
+def format_k_by_running(buckets: list[dict]) -> str:
+    rows = []
+    for b in buckets:
+        lo, hi = b["running"]
+        steps = b["steps_by_k"]
+        total = sum(steps.values())
+        mean = sum(int(k) * n for k, n in steps.items()) / total
+        where = str(lo) if lo == hi else f"{lo}-{hi}" if hi < 1 << 30 else f">={lo}"
+        rows.append([where, total, mean, " ".join(f"K={k}:{n}" for k, n in steps.items())])
+    return format_table(["running", "steps", "mean K", "steps by K"], rows)
+
+
 def longest_step(series: list) -> float:
     """The longest step of a run (seconds): the longest every running request waited for a token."""
     times = [0.0, *(s[0] for s in series)]
@@ -183,7 +227,8 @@ def _at(finish: list[float], fraction: float) -> float:
 def run(args: argparse.Namespace) -> int:
     from dynaspec.datasets import load_prompts
     from dynaspec.engine.args import check_at_least, engine_kwargs
-    from dynaspec.engine.engine import Engine, EngineConfig
+    from dynaspec.engine.engine import AUTO, AUTO_MAX_K, Engine, EngineConfig
+    from dynaspec.engine.profiler import auto_profile
     from dynaspec.kpolicy.config import SpeculativeConfig
     from dynaspec.kpolicy.profile import load_profile
     from dynaspec.sampling_params import SamplingParams
@@ -199,24 +244,23 @@ def run(args: argparse.Namespace) -> int:
             "--speculative-config: the rollout compares speculation, it needs the drafter's config"
         )
     fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k.strip()]
+    auto = spec.dynamic_config_path == AUTO
+    if auto and args.profile:
+        raise ValueError('--profile: the speculative config already says "dynamic_config_path": "auto"')
     profile = load_profile(args.profile) if args.profile else None
-    max_k = max([*fixed_ks, profile.max_num_speculative_tokens if profile else 1])
-    policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
+    profiled_k = profile.max_num_speculative_tokens if profile else 1
+    if auto:
+        profiled_k = spec.num_speculative_tokens or AUTO_MAX_K
+    max_k = max([*fixed_ks, profiled_k])
+    chosen = [name.strip() for name in args.policies.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - {"table", *DYNAMIC_CONFIGS})
+    if unknown:
+        raise ValueError(f"--policies: unknown {', '.join(unknown)} (table, {', '.join(DYNAMIC_CONFIGS)})")
     window = args.draft_context_window
     if window is not None and (spec.method != "draft_model" or window < 0):
         raise ValueError(
             "--draft-context-window: a token count (0: the whole context), for method draft_model only"
         )
-    # config name -> (K policy factory, the drafter's context window); "none" runs on an engine
-    # without a drafter, the rest share one, whose window is set before each run
-    windows = [spec.context_window] + ([window or None] if window is not None else [])
-    plan = {"none": (None, None)} | {
-        name + (f" w={w or 'all'}" if i else ""): (factory, w)
-        for i, w in enumerate(windows)
-        for name, factory in policies.items()
-    }
-    configs = list(plan)
-
     kwargs = engine_kwargs(args)
     kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], args.num_prompts)
     kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], args.num_prompts * (max_k + 1))
@@ -227,6 +271,19 @@ def run(args: argparse.Namespace) -> int:
         "none": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None})),
         "spec": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict})),
     }
+    if auto:  # the profile an engine with this config makes (or reads back) on first use
+        profile = auto_profile(engines["spec"], spec)
+    policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
+    policies = {name: f for name, f in policies.items() if name.startswith("K=") or name in chosen}
+    # config name -> (K policy factory, the drafter's context window); "none" runs on an engine
+    # without a drafter, the rest share one, whose window is set before each run
+    windows = [spec.context_window] + ([window or None] if window is not None else [])
+    plan = {"none": (None, None)} | {
+        name + (f" w={w or 'all'}" if i else ""): (factory, w)
+        for i, w in enumerate(windows)
+        for name, factory in policies.items()
+    }
+    configs = list(plan)
     all_prompts = load_prompts(args.dataset, chat=True)
     prompts = [all_prompts[i % len(all_prompts)] for i in range(args.num_prompts)]
     caps = lengths_for(args, len(prompts))
@@ -268,7 +325,9 @@ def run(args: argparse.Namespace) -> int:
         speed = tokens / sum(r["finish"][-1] for r in runs)
         stall = max(longest_step(r["series"]) for r in runs)
         same = sum(r["text"] == base["text"] for r, base in zip(runs, results["none"]))
-        rows.append([name, makespan, t50, t90, speed, stall])
+        # speed-up over no speculation within each round (the same texts and the same seeds)
+        by_round = [base["finish"][-1] / r["finish"][-1] for r, base in zip(runs, results["none"])]
+        rows.append([name, makespan, t50, t90, speed, stall, " ".join(f"{x:.2f}" for x in by_round)])
         same_text[name] = f"{same}/{len(runs)}"
         records.append(
             {
@@ -280,15 +339,25 @@ def run(args: argparse.Namespace) -> int:
                 "longest_step_s": round(stall, 3),
                 "output_tokens": tokens,
                 "same_text_as_none": same,
+                "vs_none_by_round": [round(x, 4) for x in by_round],
+                "k_by_running": k_by_running([r["series"] for r in runs]),
                 "rounds": [{"finish_s": r["finish"], "series": r["series"], "text": r["text"]} for r in runs],
             }
         )
     best_fixed = min(r[1] for r in rows if r[0].split(" ")[0] not in ("table", *DYNAMIC_CONFIGS))
     for row in rows:
         row += [row[1] / best_fixed, same_text[row[0]]]
-    columns = ["config", "makespan s", "50% s", "90% s", "tok/s", "longest step s", "vs best fixed"]
-    columns += ["rounds with none's text"]
+    columns = ["config", "makespan s", "50% s", "90% s", "tok/s", "longest step s", "x none by round"]
+    columns += ["vs best fixed", "rounds with none's text"]
     print(format_table(columns, rows))
+    nones = [r["finish"][-1] for r in results["none"]]
+    if len(nones) > 1:
+        spread = (max(nones) - min(nones)) / (sum(nones) / len(nones))
+        print(f"\nrun-to-run spread: none's makespan differs by {spread:.1%} between rounds")
+    for record in records:
+        if record["config"] != "none":
+            print(f"\n{record['config']}: K chosen, steps by running requests")
+            print(format_k_by_running(record["k_by_running"]))
     model = None
     deepest = f"K={max(fixed_ks)}" if fixed_ks else None
     if profile is not None and deepest in results:

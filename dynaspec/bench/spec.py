@@ -56,7 +56,11 @@ def add_parser(sub) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip transformers (plain and assisted generation)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     add_load_format_arg(p)
-    p.add_argument("--result-file", default="results/bench_spec.json")
+    p.add_argument(
+        "--result-file",
+        default="bench-results/spec.json",
+        help="JSON path (default %(default)s: out of the record under results/)",
+    )
     p.set_defaults(func=run)
 
 

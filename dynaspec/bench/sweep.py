@@ -70,7 +70,11 @@ def add_parser(sub) -> None:
         help="0: greedy (outputs compared with none's); > 0: sampled, probabilistic verification",
     )
     p.add_argument("--sampling-seed", type=int, default=0, help="seed of sampled requests")
-    p.add_argument("--result-file", default="results/sweep.json")
+    p.add_argument(
+        "--result-file",
+        default="bench-results/sweep.json",
+        help="JSON path (default %(default)s: out of the record under results/)",
+    )
     p.add_argument("--plot", default=None, help="PNG of throughput and TPOT against concurrency")
     p.set_defaults(func=run)
 

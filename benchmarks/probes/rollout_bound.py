@@ -1,5 +1,6 @@
-"""The best rollout makespan any K policy could reach against the best fixed configuration, by the
-profile's own model, over rollout shapes (results/RESULTS.md, "A code rollout with a longer tail").
+"""The best rollout makespan any K policy could reach against the best fixed configuration, by the profile's
+own model, over rollout shapes (`git show e12b4e2:results/RESULTS.md`, "A code rollout with a longer
+tail").
 
 For each shape (N prompts, log-normal lengths: median, sigma, cap; seed 0, as `bench rollout
 --lengths longtail` draws them), `bench rollout`'s decode model (`modelled_makespans`: the
@@ -8,7 +9,7 @@ at every batch size; the prefill, which K cannot change, is added as N x the sec
 takes (0.81 s: the 52 s the 64 HumanEval prompts took in the code rollout). The bound is
 (prefill + best K per batch size) / (prefill + best fixed).
 
-Run: .venv/bin/python benchmarks/rollout_bound.py (seconds)."""
+Run: .venv/bin/python benchmarks/probes/rollout_bound.py (seconds)."""
 
 import argparse
 import itertools

@@ -2,7 +2,8 @@
 per-request and batch-level, at loads of 8 and 32, a third of the requests still owing the drafter
 part of their prompt, on a profile's grid.
 
-    .venv/bin/python benchmarks/choose_time.py [--profile results/epyc/profile_qwen_pair_humaneval.json]
+    .venv/bin/python benchmarks/probes/choose_time.py \
+        [--profile results/zen4/profile_qwen_pair_humaneval_7.json]
 """
 
 import argparse
@@ -15,7 +16,7 @@ from dynaspec.kpolicy.profile import load_profile
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--profile", default="results/epyc/profile_qwen_pair_humaneval.json")
+    p.add_argument("--profile", default="results/zen4/profile_qwen_pair_humaneval_7.json")
     p.add_argument("--repeats", type=int, default=50)
     args = p.parse_args()
     profile = load_profile(args.profile)

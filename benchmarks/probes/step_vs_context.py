@@ -1,8 +1,8 @@
-"""A decode step's time against the context its requests read (results/RESULTS.md, "The n-gram
-grid"): bs requests of synthetic prompts of each length, prefilled, then steps at each K timed
-with every row drafting its whole K (the profiler's filled n-gram rows), K interleaved in rounds.
+"""A decode step's time against the context its requests read (`git show e12b4e2:results/RESULTS.md`, "The
+n-gram grid"): bs requests of synthetic prompts of each length, prefilled, then steps at each K timed with
+every row drafting its whole K (the profiler's filled n-gram rows), K interleaved in rounds.
 
-    .venv/bin/python benchmarks/step_vs_context.py                          # bs 24, 4 lengths (~2 min)
+    .venv/bin/python benchmarks/probes/step_vs_context.py                          # bs 24, 4 lengths (~2 min)
 """
 
 import argparse

@@ -1,8 +1,8 @@
 """Where one decode step's time goes: engine step time at a batch size, the torch profiler's per-op
-table over a few steps, and the output head alone (the figures behind results/RESULTS.md's
-"Where a batch-1 step goes").
+table over a few steps, and the output head alone (the figures behind `git show
+e12b4e2:results/RESULTS.md`, "Where a batch-1 step goes").
 
-    .venv/bin/python benchmarks/profile_step.py [--batch-size 1] [--model qwen2.5-coder-1.5b-instruct]
+    .venv/bin/python benchmarks/probes/profile_step.py [--batch-size 1] [--model qwen2.5-coder-1.5b-instruct]
 """
 
 from __future__ import annotations

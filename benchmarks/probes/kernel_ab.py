@@ -1,14 +1,15 @@
-"""The C++ kernels of a git revision against the working tree's (results/RESULTS.md, "The kernel's
-one-row loop and prefetch"): the engine's plain decode (tok/s of engine steps at each batch size,
+"""The C++ kernels of a git revision against the working tree's (`git show e12b4e2:results/RESULTS.md`, "The
+kernel's one-row loop and prefetch"): the engine's plain decode (tok/s of engine steps at each batch size,
 after a chat prompt or, with --context N, N tokens of text), or with --stream,
-benchmarks/qmm_stream.py with the given arguments (weights streamed from memory), or with
---attention, benchmarks/attention_kernel.py with the given arguments. Each variant runs in its own
+benchmarks/probes/qmm_stream.py with the given arguments (weights streamed from memory), or with
+--attention, benchmarks/probes/attention_kernel.py with the given arguments. Each variant runs in its own
 process (the kernels build once per source version, then are cached), alternating in rounds.
 
-    .venv/bin/python benchmarks/kernel_ab.py --rev 52fede7 [--batch-sizes 1,8] [--rounds 2]
-    .venv/bin/python benchmarks/kernel_ab.py --rev 52fede7 --stream "--format Q4_K --rows 1"
-    .venv/bin/python benchmarks/kernel_ab.py --rev 84d4c9c --attention "--tail 2000 --cache bfloat16 --cold"
-    .venv/bin/python benchmarks/kernel_ab.py --rev 84d4c9c --batch-sizes 1 --context 8000
+    .venv/bin/python benchmarks/probes/kernel_ab.py --rev 52fede7 [--batch-sizes 1,8] [--rounds 2]
+    .venv/bin/python benchmarks/probes/kernel_ab.py --rev 52fede7 --stream "--format Q4_K --rows 1"
+    .venv/bin/python benchmarks/probes/kernel_ab.py --rev 84d4c9c \
+        --attention "--tail 2000 --cache bfloat16 --cold"
+    .venv/bin/python benchmarks/probes/kernel_ab.py --rev 84d4c9c --batch-sizes 1 --context 8000
 """
 
 import argparse
@@ -18,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parent.parent / "dynaspec" / "models" / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "dynaspec" / "models" / "csrc"
 SCRIPTS = {"stream": "qmm_stream.py", "attention": "attention_kernel.py"}
 PATCH = """
 import sys
@@ -73,9 +74,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--context", type=int, default=0, help="decode after this many tokens of text")
-    p.add_argument("--stream", default=None, help="run benchmarks/qmm_stream.py with these arguments instead")
     p.add_argument(
-        "--attention", default=None, help="run benchmarks/attention_kernel.py with these arguments"
+        "--stream", default=None, help="run benchmarks/probes/qmm_stream.py with these arguments instead"
+    )
+    p.add_argument(
+        "--attention", default=None, help="run benchmarks/probes/attention_kernel.py with these arguments"
     )
     args = p.parse_args()
     script = next(((SCRIPTS[k], getattr(args, k)) for k in SCRIPTS if getattr(args, k) is not None), None)

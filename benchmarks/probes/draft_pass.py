@@ -1,6 +1,6 @@
-"""Where one drafter pass goes (results/RESULTS.md, "n-gram drafts take plain decoding's draws" and
-"A 4-bit drafter by default"): the pair's drafter (Qwen2.5-Coder 0.5B, its head cut to 32768 ids as
-in results/spec_qwen_pair.json) runs one token for 1, 2 and 4 requests at position 300.
+"""Where one drafter pass goes (`git show e12b4e2:results/RESULTS.md`, "n-gram drafts take plain decoding's
+draws" and "A 4-bit drafter by default"): the pair's drafter (Qwen2.5-Coder 0.5B, its head cut to 32768 ids
+as in results/spec_qwen_pair.json) runs one token for 1, 2 and 4 requests at position 300.
 
 - For each of ``--quantizations`` (alternating, ``--rounds`` times): the weights' bytes and the
   pass's time, and the time of its matrices alone (every projection and the head called one after
@@ -9,7 +9,7 @@ in results/spec_qwen_pair.json) runs one token for 1, 2 and 4 requests at positi
   and outside them (Python and dispatch), and the per-op table (the module path, without the one-call
   decoder stack).
 
-    .venv/bin/python benchmarks/draft_pass.py [--quantizations int4,auto] [--rounds 3] [--ops]
+    .venv/bin/python benchmarks/probes/draft_pass.py [--quantizations int4,auto] [--rounds 3] [--ops]
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""How often confidence stops cut the drafts the K policy asks for (results/RESULTS.md, "The decoder
-stack as one call"): the pair (drafter head cut to 32768 ids) with per-request K on its HumanEval
-profile, six HumanEval prompts sampled at temperature 1.0 to 200..700 tokens (EOS ignored), so
+"""How often confidence stops cut the drafts the K policy asks for (`git show e12b4e2:results/RESULTS.md`,
+"The decoder stack as one call"): the pair (drafter head cut to 32768 ids) with per-request K on its
+HumanEval profile, six HumanEval prompts sampled at temperature 1.0 to 200..700 tokens (EOS ignored), so
 the batch drains from 6 to 1. Per running batch size: draft positions asked (``k_caps``), proposed
 (``draft_lens``, after stops) and accepted, and the acceptance per proposed and per asked position.
 
-    .venv/bin/python benchmarks/draft_stops.py [--profile results/epyc/profile_qwen_pair_humaneval_4.json]
+    .venv/bin/python benchmarks/probes/draft_stops.py \
+        [--profile results/zen4/profile_qwen_pair_humaneval_7.json]
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ LENGTHS = (200, 300, 400, 500, 600, 700)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--profile", default="results/epyc/profile_qwen_pair_humaneval_4.json")
+    p.add_argument(
+        "--profile",
+        default="results/zen4/profile_qwen_pair_humaneval_7.json",
+        help="the pair's profile (the figure's, zen4's profile_qwen_pair_humaneval_4.json, is in history)",
+    )
     args = p.parse_args()
     counts = collections.defaultdict(lambda: [0, 0, 0, 0])  # steps, asked, proposed, accepted
     observe = goodput.GoodputK.observe

@@ -1,11 +1,11 @@
-"""The quantized matmul streaming its weights from memory (results/RESULTS.md, "The kernel's one-row
-loop and prefetch"): rows through 12 distinct random layers of one GGUF block type, more bytes
-than the L3 cache holds, so each call reads its weight from DRAM as in a model's forward pass
-(`dynaspec bench qmatmul` repeats one layer, which stays in cache). Prints GB/s of weights and
-scales read, and us per layer, then a plain read of 1 GiB (a float32 sum) for the memory's own
-rate.
+"""The quantized matmul streaming its weights from memory (`git show e12b4e2:results/RESULTS.md`, "The
+kernel's one-row loop and prefetch"): rows through 12 distinct random layers of one GGUF block type, more
+bytes than the L3 cache holds, so each call reads its weight from DRAM as in a model's forward pass
+(`dynaspec bench qmatmul` repeats one layer, which stays in cache). Prints GB/s of weights and scales read,
+and us per layer, then a plain read of 1 GiB (a float32 sum) for the memory's own rate.
 
-    .venv/bin/python benchmarks/qmm_stream.py [--format Q4_K] [--threads 2] [--rows 1] [--shape 17920x1536]
+    .venv/bin/python benchmarks/probes/qmm_stream.py [--format Q4_K] [--threads 2] [--rows 1] \
+        [--shape 17920x1536]
 """
 
 import argparse

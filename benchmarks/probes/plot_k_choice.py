@@ -1,6 +1,7 @@
 """The goodput policy's K against load and acceptance, from a profile (no model runs).
 
-    .venv/bin/python benchmarks/plot_k_choice.py results/profile_qwen_pair_humaneval.json docs/k_choice.png
+    .venv/bin/python benchmarks/probes/plot_k_choice.py \
+        results/profile_qwen_pair_humaneval.json docs/k_choice.png
 
 For each load (requests in the step) and each per-token acceptance β of a request (its α_i set to
 the profile's shape scaled as ``request_rates`` scales it), the K the per-request policy gives that
@@ -10,7 +11,7 @@ the batch-level rule when the whole batch accepts at β (right).
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import matplotlib
 
@@ -64,4 +65,8 @@ def main(profile_path: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("profile", help="profile JSON (e.g. results/profile_qwen_pair_humaneval.json)")
+    parser.add_argument("out", help="PNG to write (docs/k_choice.png is the one the docs show)")
+    args = parser.parse_args()
+    main(args.profile, args.out)

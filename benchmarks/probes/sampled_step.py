@@ -1,11 +1,11 @@
 """What a speculative step costs in a rollout's tail, against the profile's short greedy steps: the
 pair at fixed K, requests whose context is --contexts tokens long, greedy and sampled at
-temperature 1.0 side by side (the figures behind results/RESULTS.md, "A probe's price").
+temperature 1.0 side by side (the figures behind `git show e12b4e2:results/RESULTS.md`, "A probe's price").
 Prints the median step per (context, K, temperature), and for the sampled steps where it went: the
 drafter's passes, the target's pass (with its LM head) and the rest (sampling, verification,
 bookkeeping); writes JSON.
 
-    .venv/bin/python benchmarks/sampled_step.py [--batch-size 1] [--ks 0,1,3,5] [--contexts 200,2000]
+    .venv/bin/python benchmarks/probes/sampled_step.py [--batch-size 1] [--ks 0,1,3,5] [--contexts 200,2000]
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""The quantized matmul's fixed cost per call (results/RESULTS.md, "Where a drafter pass goes"):
-one row through a Q8_0 layer small enough to stay in cache (32 x 896) and one the size of the
-drafter's q projection (896 x 896), with 2 threads and with 1, through the `QuantLinear` module as
-the model calls it.
+"""The quantized matmul's fixed cost per call (`git show e12b4e2:results/RESULTS.md`, "Where a drafter pass
+goes"): one row through a Q8_0 layer small enough to stay in cache (32 x 896) and one the size of the
+drafter's q projection (896 x 896), with 2 threads and with 1, through the `QuantLinear` module as the
+model calls it.
 
-    .venv/bin/python benchmarks/qmm_call_overhead.py
+    .venv/bin/python benchmarks/probes/qmm_call_overhead.py
 """
+
+import argparse
 
 import torch
 from gguf import GGMLQuantizationType
@@ -15,6 +17,7 @@ from dynaspec.models.qlinear import QuantLinear
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     qtype = GGMLQuantizationType.Q8_0
     for threads in (2, 1):
         torch.set_num_threads(threads)

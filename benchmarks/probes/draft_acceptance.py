@@ -1,5 +1,5 @@
 """How often the pair's drafts would be kept, position by position, on the target's own sampled
-text (results/RESULTS.md, "n-gram drafts take plain decoding's draws"):
+text (`git show e12b4e2:results/RESULTS.md`, "n-gram drafts take plain decoding's draws"):
 
 - by rejection sampling, sum min(p, q) (what dynaspec runs);
 - by a draft drawn at the very uniform plain decoding will use (q's CDF inverted there, kept iff
@@ -14,7 +14,8 @@ text (results/RESULTS.md, "n-gram drafts take plain decoding's draws"):
 - with ``--draft-scales``, by rejection sampling from the cut head's distribution sharpened or
   flattened: drafted at these fractions of the request's temperature (q^(1/s), renormalized).
 
-    .venv/bin/python benchmarks/draft_acceptance.py [--dataset humaneval] [--prompts 6] [--max-tokens 128]
+    .venv/bin/python benchmarks/probes/draft_acceptance.py [--dataset humaneval] [--prompts 6] \
+        [--max-tokens 128]
 """
 
 from __future__ import annotations

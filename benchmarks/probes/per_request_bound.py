@@ -1,5 +1,5 @@
 """What per-request K could gain over one K for the batch, by the profile's own prices
-(results/RESULTS.md, "Mixed traffic"): half the requests accept as HumanEval does, half as
+(`git show e12b4e2:results/RESULTS.md`, "Mixed traffic"): half the requests accept as HumanEval does, half as
 MT-Bench does (each profile's acceptance per position, greedy), and every assignment of K is
 priced by the per-request rule's own terms (a fresh `GoodputK` on the profile: its `itl` and
 `drafted_cost`), ITL(bs, 0) + what the drafts add at the load's row of the profile's smoothed grid
@@ -7,7 +7,7 @@ priced by the per-request rule's own terms (a fresh `GoodputK` on the profile: i
 drafting it. The best uniform K (given to the
 first n requests, as the batch-level rule may) against the best K per request (exhaustive over a
 K per kind of request); catch-up left out (caught-up requests).
-Run: .venv/bin/python benchmarks/per_request_bound.py (a second)."""
+Run: .venv/bin/python benchmarks/probes/per_request_bound.py (a second)."""
 
 import argparse
 import itertools
@@ -20,7 +20,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profile", default="results/profile_qwen_pair_humaneval.json", help="the ITL grid")
     p.add_argument("--code", default="results/profile_qwen_pair_humaneval.json", help="code acceptance")
-    p.add_argument("--chat", default="results/profile_qwen_pair_mtbench.json", help="chat acceptance")
+    p.add_argument("--chat", default="results/xeon/profile_qwen_pair_mtbench.json", help="chat acceptance")
     p.add_argument("--concurrency", default="2,4,8")
     args = p.parse_args()
     code = load_profile(args.code).acceptance_rate_per_pos

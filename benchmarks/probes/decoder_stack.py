@@ -4,7 +4,7 @@ for the pair's drafter (head cut to 32768 ids, as the profiles run it) and its t
 Rounds alternate the two paths; the table keeps each path's fastest round. Also checks that both
 give bitwise the same logits.
 
-    .venv/bin/python benchmarks/decoder_stack.py [--out results/epyc/decoder_stack.json]
+    .venv/bin/python benchmarks/probes/decoder_stack.py [--out bench-results/decoder_stack.json]
 """
 
 from __future__ import annotations

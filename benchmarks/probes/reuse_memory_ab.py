@@ -1,9 +1,9 @@
-"""The README's main command with glibc's default malloc thresholds and with `reuse_freed_memory`
-(the engine's default): output tok/s and peak RSS, each mode in its own process, alternating
-(results/RESULTS.md, "Reused logits memory"). Uses the cached n-gram auto profile (made by the
+"""The README's main command with glibc's default malloc thresholds and with `reuse_freed_memory` (the
+engine's default): output tok/s and peak RSS, each mode in its own process, alternating (`git show
+e12b4e2:results/RESULTS.md`, "Reused logits memory"). Uses the cached n-gram auto profile (made by the
 first run of the main command).
 
-    .venv/bin/python benchmarks/reuse_memory_ab.py [--rounds 1]
+    .venv/bin/python benchmarks/probes/reuse_memory_ab.py [--rounds 1]
 """
 
 import argparse

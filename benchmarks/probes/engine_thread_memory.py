@@ -1,12 +1,12 @@
-"""The server with and without one malloc arena (`dynaspec.heap.one_arena`; results/RESULTS.md,
-"One malloc arena"): a real `dynaspec serve` on loopback, fixed K=5 n-gram drafting, 24 concurrent
-HumanEval requests, so a verify pass's logits (24 x 6 rows x 151,936 x 4 bytes = 88 MB) outgrow
-the 64 MiB heaps of the engine thread's own arena. Each mode in its own server process, alternating:
-"arenas" makes a thread allocate before dynaspec is imported, which fixes glibc's arena limit at
-its default (the engine thread then gets an arena of its own, as before this change); "one" is
+"""The server with and without one malloc arena (`dynaspec.heap.one_arena`; `git show
+e12b4e2:results/RESULTS.md`, "One malloc arena"): a real `dynaspec serve` on loopback, fixed K=5 n-gram
+drafting, 24 concurrent HumanEval requests, so a verify pass's logits (24 x 6 rows x 151,936 x 4 bytes =
+88 MB) outgrow the 64 MiB heaps of the engine thread's own arena. Each mode in its own server process,
+alternating: "arenas" makes a thread allocate before dynaspec is imported, which fixes glibc's arena
+limit at its default (the engine thread then gets an arena of its own, as before this change); "one" is
 the default. Output tok/s from `dynaspec bench serve`, the server's peak RSS from /proc.
 
-    .venv/bin/python benchmarks/engine_thread_memory.py [--rounds 2]
+    .venv/bin/python benchmarks/probes/engine_thread_memory.py [--rounds 2]
 """
 
 import argparse

@@ -1,11 +1,12 @@
-"""One engine step of 8 HumanEval requests with drafts given per request (results/RESULTS.md, "The
-n-gram grid"): n-gram rows filled to their K, each assignment timed 3 times in each of 3 rounds,
-median step and target pass. A step's window is as wide as its longest draft, so with a K per
-request it is mostly padding; this shows what the padding costs beside the target's pass.
+"""One engine step of 8 HumanEval requests with drafts given per request (`git show
+e12b4e2:results/RESULTS.md`, "The n-gram grid"): n-gram rows filled to their K, each assignment timed 3
+times in each of 3 rounds, median step and target pass. A step's window is as wide as its longest draft, so
+with a K per request it is mostly padding; this shows what the padding costs beside the target's pass.
 
-    .venv/bin/python benchmarks/ragged_step.py                                              # (~1 min)
+    .venv/bin/python benchmarks/probes/ragged_step.py                                              # (~1 min)
 """
 
+import argparse
 import statistics
 import time
 
@@ -39,6 +40,7 @@ class Given(FixedK):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     engine = Engine(
         EngineConfig(
             model="qwen2.5-coder-1.5b-instruct",

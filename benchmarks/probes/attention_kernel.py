@@ -7,9 +7,9 @@ row and its K=3 window (4 rows) on the target, and one row on the 0.5B drafter's
 KV heads of 64, 24 layers). With --cold, every layer has a cache of its own and a call goes
 through them all, as a step does, so the cache comes from memory rather than from L2/L3.
 
-    .venv/bin/python benchmarks/attention_kernel.py          # seconds
-    .venv/bin/python benchmarks/attention_kernel.py --tail 2000 --cache bfloat16 --calls 500
-    .venv/bin/python benchmarks/attention_kernel.py --tail 8000 --cache bfloat16 --cold --calls 20
+    .venv/bin/python benchmarks/probes/attention_kernel.py          # seconds
+    .venv/bin/python benchmarks/probes/attention_kernel.py --tail 2000 --cache bfloat16 --calls 500
+    .venv/bin/python benchmarks/probes/attention_kernel.py --tail 8000 --cache bfloat16 --cold --calls 20
 """
 
 import argparse

@@ -1,10 +1,10 @@
 """What a step's logits cost in memory traffic alone, with glibc's default thresholds and with
-`reuse_freed_memory` (results/RESULTS.md, "Reused logits memory"): ms to allocate and write a
-[rows, vocab] float32 buffer, and to copy it into a padded [bs, K+1, vocab] one as the runner did
-before it returned a view, at the verify shapes of a step. Each mode runs in its own process,
-since mallopt is process-wide.
+`reuse_freed_memory` (`git show e12b4e2:results/RESULTS.md`, "Reused logits memory"): ms to allocate and
+write a [rows, vocab] float32 buffer, and to copy it into a padded [bs, K+1, vocab] one as the runner did
+before it returned a view, at the verify shapes of a step. Each mode runs in its own process, since mallopt
+is process-wide.
 
-    .venv/bin/python benchmarks/logits_memory.py
+    .venv/bin/python benchmarks/probes/logits_memory.py
 """
 
 import argparse

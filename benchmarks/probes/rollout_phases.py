@@ -1,8 +1,9 @@
 """Where a rollout's makespan goes, by phase: from a `bench rollout` JSON's per-step series, each
 configuration's seconds, output tokens/s and K mix while 1, 2, 3-4, 5-8, 9-16 and 17+ requests were
-running, per round (results/RESULTS.md, "The decoder stack as one call").
+running, per round (`git show e12b4e2:results/RESULTS.md`, "The decoder stack as one call"). Reads
+the JSON plain or gzipped (the record keeps rollout JSONs as .json.gz).
 
-    .venv/bin/python benchmarks/rollout_phases.py results/epyc/bench_rollout_pair_5.json \
+    .venv/bin/python benchmarks/probes/rollout_phases.py results/zen4/bench_rollout_pair_13.json.gz \
         [--configs none,per-request]
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import itertools
 import json
 
@@ -24,10 +26,11 @@ def phase_of(running: int) -> tuple[int, int] | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("result")
+    p.add_argument("result", help="a `bench rollout` JSON (.json or .json.gz)")
     p.add_argument("--configs", default="", help="comma-separated (default: every configuration)")
     args = p.parse_args()
-    with open(args.result) as f:
+    opener = gzip.open if args.result.endswith(".gz") else open
+    with opener(args.result, "rt") as f:
         data = json.load(f)
     wanted = set(filter(None, args.configs.split(",")))
     headers = ["config", "round"] + [

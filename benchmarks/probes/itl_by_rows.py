@@ -1,10 +1,10 @@
-"""Every cell of a profile's ITL(bs, K) grid against the rows its step verifies, bs x (K+1)
-(results/RESULTS.md, "The n-gram grid"). With n-gram drafting (no drafter passes) a cell is the
-target's step alone, and cells of different (bs, K) with the same rows cost the same: the step's
-cost is a function of rows, a staircase where the quantized kernels take 16 rows at a time.
+"""Every cell of a profile's ITL(bs, K) grid against the rows its step verifies, bs x (K+1) (`git show
+e12b4e2:results/RESULTS.md`, "The n-gram grid"). With n-gram drafting (no drafter passes) a cell is the
+target's step alone, and cells of different (bs, K) with the same rows cost the same: the step's cost is a
+function of rows, a staircase where the quantized kernels take 16 rows at a time.
 
-    .venv/bin/python benchmarks/itl_by_rows.py --profile results/profile_ngram_auto.json \
-        --plot results/ngram_itl_by_rows.png                                       # (a second)
+    .venv/bin/python benchmarks/probes/itl_by_rows.py --profile results/profile_ngram_auto.json \
+        --plot bench-results/ngram_itl_by_rows.png                                       # (a second)
 """
 
 import argparse

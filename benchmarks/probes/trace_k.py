@@ -1,11 +1,11 @@
-"""Per-step trace of the K a policy gives and the drafts it gets (results/RESULTS.md, "Cross-dataset,
-the other way"): the pair with the MT-Bench profile on HumanEval prompts in a closed loop, configs
-side by side in rounds (ABBA), every step's `k_caps` and draft lengths recorded.
+"""Per-step trace of the K a policy gives and the drafts it gets (`git show e12b4e2:results/RESULTS.md`,
+"Cross-dataset, the other way"): the pair with the MT-Bench profile on HumanEval prompts in a closed loop,
+configs side by side in rounds (ABBA), every step's `k_caps` and draft lengths recorded.
 
-    .venv/bin/python benchmarks/trace_k.py       # C=2, 10 prompts, greedy, K=3 and per-request (~2 min)
-    .venv/bin/python benchmarks/trace_k.py --concurrency 1 --prompts 8 --temperature 1.0 --rounds 2 \
+    .venv/bin/python benchmarks/probes/trace_k.py      # C=2, 10 prompts, greedy, K=3 and per-request (~2 min)
+    .venv/bin/python benchmarks/probes/trace_k.py --concurrency 1 --prompts 8 --temperature 1.0 --rounds 2 \
         --configs K=5,goodput,per-request,per-request-conf0                                   # (~8 min)
-    .venv/bin/python benchmarks/trace_k.py \
+    .venv/bin/python benchmarks/probes/trace_k.py \
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}' \
         --profile results/profile_ngram_auto.json --dataset mixed --concurrency 8 --prompts 64 \
         --configs goodput,per-request                                                       # (~5 min)
@@ -85,7 +85,7 @@ def run_round(engine, policy, prompts, args, seed_base: int, plans: list, t: dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--profile", default="results/profile_qwen_pair_mtbench.json")
+    p.add_argument("--profile", default="results/xeon/profile_qwen_pair_mtbench.json")
     p.add_argument("--dataset", default="humaneval")
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--prompts", type=int, default=10)

@@ -1,8 +1,8 @@
-"""What a model's weights take in memory as the kernels hold them, per --quantization: the decoder
-layers' bytes and bits per weight, and the LM head's (results/RESULTS.md, "Where a tail step goes").
-A memory-bound pass streams these bytes, so two quantizations of equal bytes decode alike.
+"""What a model's weights take in memory as the kernels hold them, per --quantization: the decoder layers'
+bytes and bits per weight, and the LM head's (`git show e12b4e2:results/RESULTS.md`, "Where a tail step
+goes"). A memory-bound pass streams these bytes, so two quantizations of equal bytes decode alike.
 
-    .venv/bin/python benchmarks/weight_bytes.py [--model qwen2.5-coder-0.5b-instruct]
+    .venv/bin/python benchmarks/probes/weight_bytes.py [--model qwen2.5-coder-0.5b-instruct]
         [--quantizations auto,int4] [--head-rows 32768]
 """
 
