@@ -6,7 +6,7 @@
   a thread: an 88 MB buffer written there took 13.3 ms and 10,683 page faults every time, and
   1.6 ms with no faults on the main arena once a model was loaded (through a real server,
   fixed K=5 n-gram at 24 concurrent requests: 3-5% more output tok/s,
-  benchmarks/engine_thread_memory.py). glibc fixes its arena limit when the second arena is
+  benchmarks/probes/engine_thread_memory.py). glibc fixes its arena limit when the second arena is
   made, so this must run before any other thread allocates: `dynaspec/__init__.py` calls it
   first thing. (Ray's worker processes start threads before they import dynaspec; replicas get
   MALLOC_ARENA_MAX=1 in their environment instead.)
@@ -16,7 +16,7 @@
   alignment, for which malloc asks a little more than the size, so a freed block pinned by a
   small allocation after it is just too small for the same request. In a fresh process with
   nothing else allocated, most 88 MB allocations still took fresh pages; in the README's main
-  command the reuse gave 1.22x (results/RESULTS.md, "Reused logits memory").
+  command the reuse gave 1.22x (the results diary, "Reused logits memory").
 
 Both are no-ops off glibc (musl has no mallopt; macOS and Windows have neither) and with
 DYNASPEC_MALLOC_DEFAULTS=1 in the environment, which leaves malloc as glibc sets it: for someone
@@ -70,7 +70,7 @@ def reuse_freed_memory() -> bool:
     (its ceiling for the threshold it adapts) and unmaps them at free, so a step's logits (rows x
     vocab x 4 bytes: 88 MB at 24 x 6 rows of a 151,936-token vocabulary) and the temporaries made
     from them faulted in 21,000 new pages each, every step: writing 88 MB took 24 ms, and 1 ms in
-    reused memory (benchmarks/logits_memory.py). The price: memory a step freed stays the
+    reused memory (benchmarks/probes/logits_memory.py). The price: memory a step freed stays the
     process's (the README's main command peaked at 2095 MiB of RSS where it peaked at 1990). What
     PyTorch's CPU guides get from tcmalloc or jemalloc, without preloading a library. Returns
     whether it applied (glibc on Linux only)."""

@@ -121,7 +121,7 @@ def visit_order(ks: list[int], rounds: int) -> list[list[int]]:
     drift lands on the Ks alike. Plain alternation (0..5, 5..0, 0..5) visited K=0 and K=max twice
     in a row, so 4 of their 6 timed steps fell in one stretch of a shared CPU: the first EPYC
     profile's ITL(8, 0) was 62.7 ms where 51-55 is its cost, and the policy speculated at 8
-    requests where plain decoding was faster (results/RESULTS.md)."""
+    requests where plain decoding was faster (the results diary)."""
     orders = []
     for r in range(rounds):
         shift = r * len(ks) // rounds
@@ -173,7 +173,7 @@ def measure_itl(
     Every request drafts K tokens in a step timed at K: the proposer fills its rows
     (``fill_drafts``). An n-gram lookup that found no match would otherwise propose nothing, and
     the cell would time fewer verified tokens than bs x (K+1), as the first n-gram profile did:
-    its ITL(16, 5) was 404 ms where 16 full rows of 5 cost 614 (results/RESULTS.md, "The n-gram
+    its ITL(16, 5) was 404 ms where 16 full rows of 5 cost 614 (the results diary, "The n-gram
     grid"). What a row is worth is the acceptance's business, per token proposed."""
     batch_stats: dict[int, dict[int, float]] = {}
     ks = list(range(settings.max_k + 1))
@@ -374,7 +374,7 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
     10 minutes, most of it the larger sizes' prompts and rows. 12 and 24 are in because a step's cost is not
     linear between 8, 16 and 32: the quantized kernels take 16 rows at a time from 12 rows on, so
     24 plain rows cost nearly what 32 do (196 and 205 ms in the n-gram auto profile here, where a
-    line through 16 and 32 says 162; results/RESULTS.md, "The n-gram grid").
+    line through 16 and 32 says 162; the results diary, "The n-gram grid").
 
     The first three batch sizes get three rounds of three timed steps (and the drafter's catch-up two
     timed passes): they are the cheapest cells (about 15 s more on the AVX-512 EPYC, taken from the

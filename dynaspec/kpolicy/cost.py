@@ -13,7 +13,7 @@ decayed geometric mean of observed / predicted time per pass, starting from 1 as
 ``prior_weight`` pseudo-observations that fade like old steps, each ratio clipped to
 [1/MAX_DRIFT, MAX_DRIFT]. Scales rather than a live regression: live steps sit near one operating
 point, where a regression cannot tell an intercept from a slope and puts step noise on the
-slopes (results/RESULTS.md, "live step costs"). Until the drafter has run, it is assumed to drift
+slopes (the results diary, "live step costs"). Until the drafter has run, it is assumed to drift
 like the target (both share the machine).
 
 A profile's model must agree with its own grid (``grid_misfit``): it is fitted with non-negative

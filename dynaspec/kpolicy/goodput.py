@@ -154,7 +154,7 @@ class GoodputK:
     a step, plus, with a draft model, the catch-up on what that request has not read. That can be
     its whole context (0.53 s after 170 steps of K=0 at 5 requests in the pair's rollout), and it
     is still paid: skipping such probes stopped a profile that underrates the traffic from being
-    corrected at all (results/RESULTS.md, "A probe's price").
+    corrected at all (the results diary, "A probe's price").
 
     Confidence stops: a decode stops drafting at a position whose drafter top probability is below
     ``min_draft_confidence()``, fixed by ``min_confidence`` or, when that is None, the top of the
@@ -380,7 +380,7 @@ def asked_positions(record: StepRecord) -> list[int]:
     carries draft confidences) acceptance is counted per position asked (``k_caps``), a stopped one
     counting as not accepted, and the expected tokens the policy weighs against the passes it buys
     are those it gets: at temperature 1.0 stops cut 20-40% of asked positions at 2-6 requests,
-    where the rate per proposed token was 0.75-0.89 and per asked 0.45-0.65 (results/RESULTS.md,
+    where the rate per proposed token was 0.75-0.89 and per asked 0.45-0.65 (the results diary,
     "The decoder stack as one call"). An n-gram proposer pays nothing for a position it cannot
     fill (no match costs no pass and no verification), so it counts what it proposed."""
     lens = record.result.draft_lens

@@ -148,7 +148,7 @@ def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k
     Below the smallest profiled batch size it is that size's time. Above the largest it goes on
     along the last segment's slope (never downwards): a step of 32 requests costs more than one of
     16, and holding it at 16's time made K=5 look nearly free there, where it cost 1.9x a plain
-    step (results/RESULTS.md, "The n-gram grid"). One profiled size alone is held. Zero or
+    step (the results diary, "The n-gram grid"). One profiled size alone is held. Zero or
     negative times are treated as unknown.
     """
     points = sorted((bs, row[k]) for bs, row in batch_stats.items() if row.get(k, 0) > 0)

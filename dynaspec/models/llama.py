@@ -23,7 +23,7 @@ class Linear(nn.Linear):
     """nn.Linear that runs a lone bf16/fp16 row on CPU as two identical rows.
 
     oneDNN's one-row half-precision path is much slower than its two-row one on CPU (1.6-1.9x for
-    o_proj and down_proj, results/RESULTS.md), and the row's result is bitwise the same. float32
+    o_proj and down_proj, the results diary), and the row's result is bitwise the same. float32
     keeps the one-row path (faster there) and CUDA is untouched.
     """
 

@@ -218,7 +218,7 @@ class QuantLinear(nn.Module):
     def _refresh_hot_path(self) -> None:
         """The VNNI kernel's arguments and the bias as plain attributes: reading buffers through
         nn.Module's __getattr__ on every call made the module cost 7.1 us a call against the op's
-        3.0 (benchmarks/qmm_call_overhead.py). Rebuilt whenever the buffers move (`_apply`)."""
+        3.0 (benchmarks/probes/qmm_call_overhead.py). Rebuilt whenever the buffers move (`_apply`)."""
         v = self.impl
         self._vnni = None
         if self.path == "vnni":

@@ -168,7 +168,7 @@ def _verified_positions(
     """The logits of the window positions each row verifies (its drafts and one more), in row
     order. A step's window is as wide as its longest draft; with a K per request most of it is
     padding: over all of it, a step of 8 decodes, one drafting 5, spent 16.2 ms outside the
-    target's pass, 2.9 ms over these positions only (results/RESULTS.md, "Per-request K with
+    target's pass, 2.9 ms over these positions only (the results diary, "Per-request K with
     n-gram on mixed traffic")."""
     width, vocab = target_logits.shape[1], target_logits.shape[2]
     flat = [b * width + j for b in rows for j in range(num_drafts[b] + 1)]
