@@ -1,4 +1,5 @@
-"""Prompt sets: the bundled MT-Bench and HumanEval, or any local JSON/JSONL/text file."""
+"""Prompt sets: the bundled MT-Bench and HumanEval (and an editing set made from HumanEval's
+solutions), or any local JSON/JSONL/text file."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ Prompt = str | list[dict]  # plain text, or chat messages
 
 
 MIXED = "mixed"  # the two built-in sets interleaved: code and chat traffic in one stream
+CODEEDIT = "codeedit"  # edit a whole HumanEval function: the answer repeats most of the prompt
+EDIT_INSTRUCTION = (
+    "Add input validation to the following Python function: at its start, raise a TypeError for an "
+    "argument of the wrong type and a ValueError for an invalid value. Keep everything else exactly as "
+    "it is. Reply with the complete function only."
+)
 
 
 def load_prompts(spec: str, chat: bool = True) -> list[Prompt]:
@@ -25,6 +32,8 @@ def load_prompts(spec: str, chat: bool = True) -> list[Prompt]:
     if name == MIXED:
         code, chat_prompts = load_prompts("humaneval", chat), load_prompts("mtbench", chat)
         return [p for pair in zip(code, chat_prompts) for p in pair]
+    if name == CODEEDIT:
+        return [_edit_prompt(item, chat) for item in _jsonl(BUILTIN["humaneval"])]
     path = BUILTIN.get(name, Path(spec))
     if not path.is_file():
         raise ValueError(f"dataset: {spec!r} is neither a built-in set ({', '.join(BUILTIN)}) nor a file")
@@ -51,6 +60,16 @@ def load_prompts(spec: str, chat: bool = True) -> list[Prompt]:
     if not prompts:
         raise ValueError(f"dataset: {path} holds no prompts")
     return prompts
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _edit_prompt(item: dict, chat: bool) -> Prompt:
+    """An editing request over a HumanEval problem's whole solution (prompt + canonical body)."""
+    text = f"{EDIT_INSTRUCTION}\n\n```python\n{item['prompt']}{item['canonical_solution']}```"
+    return [{"role": "user", "content": text}] if chat else text
 
 
 def _prompt(item: object, path: Path, chat: bool, is_humaneval: bool) -> Prompt:

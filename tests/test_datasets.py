@@ -1,0 +1,18 @@
+"""The built-in prompt sets: HumanEval, MT-Bench, their mix, and the code-editing set."""
+
+from dynaspec.datasets import EDIT_INSTRUCTION, load_prompts
+
+
+def test_codeedit_shows_each_whole_humaneval_solution_and_asks_for_an_edit():
+    edits, plain = load_prompts("codeedit", chat=True), load_prompts("humaneval", chat=False)
+    assert len(edits) == len(plain) == 164
+    (message,) = edits[0]
+    assert message["role"] == "user" and message["content"].startswith(EDIT_INSTRUCTION)
+    assert plain[0] in message["content"]  # the signature and docstring
+    assert "return False" in message["content"]  # and the canonical body, which chat HumanEval hides
+    assert load_prompts("code-edit", chat=False)[0] == message["content"]  # names normalise as others do
+
+
+def test_mixed_alternates_code_and_chat():
+    mixed, code, chat = load_prompts("mixed"), load_prompts("humaneval"), load_prompts("mtbench")
+    assert mixed[:4] == [code[0], chat[0], code[1], chat[1]]
