@@ -1,6 +1,7 @@
 """What the HTTP app runs over: one engine in this process, or engine replicas elsewhere.
 
-``build_app`` (app.py) holds every endpoint, the validation, streaming and error shapes once, over
+The app (``build_app``: routes in app.py, the completion path in completions.py, the response
+shapes in responses.py) holds every endpoint, the validation, streaming and error shapes once, over
 this interface. ``EngineLoop`` (engine_loop.py) implements it for the in-process engine;
 ``dynaspec.replicas.client.ReplicaClient`` for engine replicas on Ray Serve.
 

@@ -144,3 +144,76 @@ def test_longtail_lengths_follow_sigma_and_seed():
     assert draw(0.0) == [32] * 64  # no spread: every request at the median
     assert draw(1.2) == draw(1.2) and draw(1.2) != draw(1.2, seed=1)  # a seed fixes the draw
     assert max(draw(1.2)) > max(draw(0.8)) and max(draw(1.2)) <= 1024  # a longer tail, capped
+
+
+def test_rollout_with_auto_uses_the_engines_own_profile_and_the_chosen_policies(
+    tmp_path, target_dir, monkeypatch, capsys
+):
+    """A spec saying "auto" takes the profile an engine with that config makes (here a stand-in for
+    the real, minutes-long profile), runs only the policies asked for, and reports each round's
+    speed-up over none, none's spread and the K chosen per load."""
+    import dynaspec.engine.profiler as profiler
+    from dynaspec.kpolicy.profile import load_profile
+
+    profile, prompts = tiny_inputs(tmp_path)
+    asked = []
+
+    def stand_in(engine, spec):
+        asked.append((spec.dynamic_config_path, spec.num_speculative_tokens))
+        return load_profile(profile)
+
+    monkeypatch.setattr(profiler, "auto_profile", stand_in)
+    result = tmp_path / "rollout.json"
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "prompt_lookup_min": 1,
+        "dynamic_config_path": "auto",
+    }
+    rc = main(
+        [
+            "bench", "rollout", "--model", str(target_dir), "--dtype", "float32",
+            "--kv-cache-memory-gb", "0.02", "--speculative-config", json.dumps(spec),
+            "--dataset", str(prompts), "--num-prompts", "4", "--lengths", "longtail",
+            "--median-tokens", "6", "--max-tokens", "16", "--fixed-ks", "2", "--policies", "per-request",
+            "--rounds", "2", "--result-file", str(result),
+        ]
+    )  # fmt: skip
+    assert rc == 0 and asked == [("auto", 2)]
+    rows = {r["config"]: r for r in json.loads(result.read_text())["rows"]}
+    assert set(rows) == {"none", "K=2", "per-request"}
+    for r in rows.values():
+        assert len(r["vs_none_by_round"]) == 2 and all(x > 0 for x in r["vs_none_by_round"])
+        steps = sum(n for b in r["k_by_running"] for n in b["steps_by_k"].values())
+        assert steps == sum(len(rnd["series"]) for rnd in r["rounds"])  # every step counted once
+    assert rows["none"]["vs_none_by_round"] == [1.0, 1.0]
+    assert all(set(b["steps_by_k"]) <= {"0", "2"} for b in rows["K=2"]["k_by_running"])
+    out = capsys.readouterr().out
+    assert "run-to-run spread: none's makespan differs by" in out
+    assert "per-request: K chosen, steps by running requests" in out
+
+
+def test_rollout_refuses_unknown_policies_and_a_profile_beside_auto(tmp_path, target_dir, capsys):
+    profile, prompts = tiny_inputs(tmp_path)
+    base = ["bench", "rollout", "--model", str(target_dir), "--dataset", str(prompts), "--num-prompts", "2"]
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    assert main([*base, "--speculative-config", json.dumps(ngram), "--policies", "goodput,fastest"]) == 2
+    assert "--policies: unknown fastest" in capsys.readouterr().err
+    auto = json.dumps({**ngram, "dynamic_config_path": "auto"})
+    assert main([*base, "--speculative-config", auto, "--profile", str(profile)]) == 2
+    err = capsys.readouterr().err
+    assert '--profile: the speculative config already says "dynamic_config_path": "auto"' in err
+
+
+def test_k_by_running_counts_steps_per_load_range():
+    from dynaspec.bench.rollout import format_k_by_running, k_by_running
+
+    series = [[(0.1, 8, 0, 0), (0.2, 8, 1, 8), (0.3, 3, 5, 20)], [(0.1, 1, 5, 6), (0.2, 3, 5, 12)]]
+    buckets = k_by_running(series)
+    assert buckets == [
+        {"running": [1, 1], "steps_by_k": {"5": 1}},
+        {"running": [3, 4], "steps_by_k": {"5": 2}},
+        {"running": [5, 8], "steps_by_k": {"0": 1, "1": 1}},
+    ]
+    table = format_k_by_running(buckets)
+    assert "5-8" in table and "K=0:1 K=1:1" in table and "0.50" in table
