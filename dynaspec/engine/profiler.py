@@ -45,6 +45,7 @@ from dynaspec.kpolicy.profile import (
     Profile,
     checked_cost_model,
     derive_table,
+    implausible_plain_steps,
     load_profile,
     save_profile,
     smooth_itl,
@@ -437,9 +438,18 @@ def auto_profile(engine: Engine, spec: SpeculativeConfig) -> Profile:
     path = auto_profile_path(key)
     if path.is_file():
         try:
-            return load_profile(path)
+            cached = load_profile(path)
         except ValueError as e:
             log.warning("dynaspec: the cached profile is unreadable (%s); profiling again", e)
+        else:
+            implausible = implausible_plain_steps(cached.batch_stats)
+            if not implausible:
+                return cached
+            log.warning(
+                "dynaspec: the cached profile %s was timed under load (%s); profiling again",
+                path,
+                "; ".join(implausible),
+            )
     settings = auto_settings(key["max_k"], engine.config.max_num_seqs)
     steps = sum(
         _rounds(settings, i) * (settings.warmup_steps + _measured_steps(settings, i))
@@ -454,6 +464,14 @@ def auto_profile(engine: Engine, spec: SpeculativeConfig) -> Profile:
     profile = run_profile(
         engine, prompts, settings, {"auto_key": key}, progress=engine.config.progress, name=str(path)
     )
+    implausible = implausible_plain_steps(profile.batch_stats)
+    if implausible:  # measured under load: used for this run only, so that the next start measures again
+        log.warning(
+            "dynaspec: the profile's plain steps look timed while something else held the cores (%s); "
+            "it prices this run but is not cached: the next start profiles again",
+            "; ".join(implausible),
+        )
+        return profile
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     save_profile(profile, tmp)

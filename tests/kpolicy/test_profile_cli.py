@@ -259,3 +259,57 @@ def test_outlying_cells_are_visited_again_and_recorded(target_dir, monkeypatch):
     stats = measure_itl(engine, PROMPTS, settings, progress=False, timings=timings, revisited=revisited)
     assert revisited == {2: [0, 1, 2, 3]} and sorted(stats[2]) == [0, 1, 2, 3]
     assert sum(1 for t in timings if t.prefill_tokens == 0) == 4 + 2 * 4  # a round of 4 Ks, 2 revisits
+
+
+# plain-step rows (bs -> ITL(bs, 0) ms) of profiles made while a test suite held the cores, and quiet ones
+LOADED_GRIDS = [{1: 86.3, 2: 1135.0, 4: 2531.7}, {1: 687.9, 2: 2500.5, 4: 991.8}]
+QUIET_GRIDS = [{1: 82.8, 2: 110.2, 4: 202.7, 8: 345.9, 12: 478.0}, {1: 29.1, 2: 30.0, 4: 33.4, 8: 44.0}]
+
+
+def test_implausible_plain_steps_name_the_cells_a_loaded_machine_timed():
+    from dynaspec.kpolicy.profile import implausible_plain_steps
+
+    def grid(plain):
+        return {bs: {0: ms, 1: 2 * ms} for bs, ms in plain.items()}
+
+    dearer, cheaper = (implausible_plain_steps(grid(g)) for g in LOADED_GRIDS)
+    assert dearer == ["ITL(2, 0) = 1135.0 ms > 1.5 x 2/1 x ITL(1, 0) = 86.3 ms"]
+    assert cheaper[1] == "ITL(4, 0) = 991.8 ms < 0.7 x ITL(2, 0) = 2500.5 ms"
+    assert all(implausible_plain_steps(grid(g)) == [] for g in QUIET_GRIDS)
+    assert implausible_plain_steps({1: {1: 5.0}, 2: {1: 500.0}}) == []  # no plain cells: nothing to judge
+
+
+def test_a_profile_timed_under_load_prices_its_run_but_is_not_cached(
+    target_dir, tmp_path, monkeypatch, caplog
+):
+    import logging
+
+    from dynaspec.engine.build import build_engine
+    from dynaspec.engine.engine import EngineConfig
+    from dynaspec.kpolicy.profile import Profile, save_profile
+
+    monkeypatch.setenv("DYNASPEC_CACHE", str(tmp_path))
+    loaded = Profile(2, [0.8, 0.6], {bs: {0: ms, 1: ms, 2: ms} for bs, ms in LOADED_GRIDS[0].items()})
+    made = []
+    monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: made.append(1) or loaded)
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "dynamic_config_path": "auto"}
+    config = EngineConfig(
+        model=str(target_dir),
+        dtype="float32",
+        kv_cache_memory_gb=0.01,
+        progress=False,
+        speculative_config=spec,
+    )
+    with caplog.at_level(logging.WARNING, logger="dynaspec"):
+        engine = build_engine(config)
+    assert engine.k_policy.profile.batch_stats == loaded.batch_stats  # this run uses it
+    assert "not cached" in caplog.text and "ITL(2, 0) = 1135.0 ms" in caplog.text
+    assert not list(tmp_path.glob("profiles/*.json"))
+    # one cached before this check existed is measured again, not read back
+    path = profiler.auto_profile_path(profiler.auto_profile_key(engine, engine.config.speculative_config))
+    path.parent.mkdir(parents=True)
+    save_profile(loaded, path)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dynaspec"):
+        build_engine(config)
+    assert len(made) == 2 and "timed under load" in caplog.text
