@@ -138,6 +138,11 @@ def rollout(engine, prompts: list, params: list) -> dict:
     }
 
 
+def spread_of(values: list[float]) -> float:
+    """(largest - smallest) / mean: how far apart the rounds of one configuration ran."""
+    return (max(values) - min(values)) / (sum(values) / len(values))
+
+
 RUNNING_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 1 << 30))
 
 
@@ -340,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
                 "output_tokens": tokens,
                 "same_text_as_none": same,
                 "vs_none_by_round": [round(x, 4) for x in by_round],
+                "spread_between_rounds": round(spread_of([r["finish"][-1] for r in runs]), 4),
                 "k_by_running": k_by_running([r["series"] for r in runs]),
                 "rounds": [{"finish_s": r["finish"], "series": r["series"], "text": r["text"]} for r in runs],
             }
@@ -350,10 +356,10 @@ def run(args: argparse.Namespace) -> int:
     columns = ["config", "makespan s", "50% s", "90% s", "tok/s", "longest step s", "x none by round"]
     columns += ["vs best fixed", "rounds with none's text"]
     print(format_table(columns, rows))
-    nones = [r["finish"][-1] for r in results["none"]]
-    if len(nones) > 1:
-        spread = (max(nones) - min(nones)) / (sum(nones) / len(nones))
-        print(f"\nrun-to-run spread: none's makespan differs by {spread:.1%} between rounds")
+    if args.rounds > 1:  # what the same configuration's makespan did from round to round
+        spreads = {r["config"]: r["spread_between_rounds"] for r in records}
+        print("\nrun-to-run spread, a configuration's makespan between rounds: ", end="")
+        print(", ".join(f"{name} {spread:.1%}" for name, spread in spreads.items()))
     for record in records:
         if record["config"] != "none":
             print(f"\n{record['config']}: K chosen, steps by running requests")

@@ -189,7 +189,8 @@ def test_rollout_with_auto_uses_the_engines_own_profile_and_the_chosen_policies(
     assert rows["none"]["vs_none_by_round"] == [1.0, 1.0]
     assert all(set(b["steps_by_k"]) <= {"0", "2"} for b in rows["K=2"]["k_by_running"])
     out = capsys.readouterr().out
-    assert "run-to-run spread: none's makespan differs by" in out
+    assert "run-to-run spread, a configuration's makespan between rounds: none " in out
+    assert all(0 <= r["spread_between_rounds"] < 2 for r in rows.values())
     assert "per-request: K chosen, steps by running requests" in out
 
 
@@ -203,6 +204,12 @@ def test_rollout_refuses_unknown_policies_and_a_profile_beside_auto(tmp_path, ta
     assert main([*base, "--speculative-config", auto, "--profile", str(profile)]) == 2
     err = capsys.readouterr().err
     assert '--profile: the speculative config already says "dynamic_config_path": "auto"' in err
+
+
+def test_spread_of_is_the_range_over_the_mean():
+    from dynaspec.bench.rollout import spread_of
+
+    assert spread_of([90.0, 110.0]) == pytest.approx(0.2) and spread_of([5.0]) == 0.0
 
 
 def test_k_by_running_counts_steps_per_load_range():
