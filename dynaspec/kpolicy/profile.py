@@ -144,6 +144,7 @@ def checked_cost_model(profile: Profile, name: str) -> dict[str, list[float]] | 
 
 CHEAPER_BATCH = 0.7  # a larger batch's plain step below this fraction of a smaller one's: impossible
 DEARER_BATCH = 1.5  # a plain step dearer than this times its rows run one batch at a time: impossible
+IMPLAUSIBLE_MARGIN_MS = 10.0  # and by more than this: a tiny model's steps of a few ms jitter freely
 
 
 def implausible_plain_steps(batch_stats: dict[int, dict[int, float]]) -> list[str]:
@@ -151,14 +152,15 @@ def implausible_plain_steps(batch_stats: dict[int, dict[int, float]]) -> list[st
 
     Between two profiled batch sizes a < b a plain step can neither get much cheaper (ITL(b, 0) <
     ``CHEAPER_BATCH`` x ITL(a, 0)) nor cost more than running the batch as b / a steps of a, with
-    slack (ITL(b, 0) > ``DEARER_BATCH`` x b / a x ITL(a, 0)). Either is a step timed while something
-    else held the cores (a test suite, another process): such a profile misprices every K."""
+    slack (ITL(b, 0) > ``DEARER_BATCH`` x b / a x ITL(a, 0)), each by more than
+    ``IMPLAUSIBLE_MARGIN_MS``. Either is a step timed while something else held the cores (a test
+    suite, another process): such a profile misprices every K."""
     plain = sorted((bs, row[0]) for bs, row in batch_stats.items() if 0 in row)
     found = []
     for (a, ta), (b, tb) in itertools.pairwise(plain):
-        if tb < CHEAPER_BATCH * ta:
+        if tb < CHEAPER_BATCH * ta - IMPLAUSIBLE_MARGIN_MS:
             found.append(f"ITL({b}, 0) = {tb:.1f} ms < {CHEAPER_BATCH:g} x ITL({a}, 0) = {ta:.1f} ms")
-        elif tb > DEARER_BATCH * b / a * ta:
+        elif tb > DEARER_BATCH * b / a * ta + IMPLAUSIBLE_MARGIN_MS:
             bound = f"{DEARER_BATCH:g} x {b}/{a} x ITL({a}, 0) = {ta:.1f} ms"
             found.append(f"ITL({b}, 0) = {tb:.1f} ms > {bound}")
     return found
