@@ -33,10 +33,19 @@ def load_prompts(spec: str, chat: bool = True) -> list[Prompt]:
         code, chat_prompts = load_prompts("humaneval", chat), load_prompts("mtbench", chat)
         return [p for pair in zip(code, chat_prompts) for p in pair]
     if name == CODEEDIT:
-        return [_edit_prompt(item, chat) for item in _jsonl(BUILTIN["humaneval"])]
+        return [_edit_prompt(item, chat) for item in _items(BUILTIN["humaneval"])]
     path = BUILTIN.get(name, Path(spec))
     if not path.is_file():
         raise ValueError(f"dataset: {spec!r} is neither a built-in set ({', '.join(BUILTIN)}) nor a file")
+    items = _items(path)
+    prompts = [_prompt(item, path, chat, is_humaneval=path == BUILTIN["humaneval"]) for item in items]
+    if not prompts:
+        raise ValueError(f"dataset: {path} holds no prompts")
+    return prompts
+
+
+def _items(path: Path) -> list:
+    """A file's entries: a JSON list's elements, or one per non-empty line (a JSON object, or text)."""
     text = path.read_text(encoding="utf-8")
     stripped = text.lstrip()
     items: list = []
@@ -56,14 +65,7 @@ def load_prompts(spec: str, chat: bool = True) -> list[Prompt]:
                     raise ValueError(f"dataset: {path}:{n}: invalid JSON: {e}") from None
             else:
                 items.append(line)
-    prompts = [_prompt(item, path, chat, is_humaneval=path == BUILTIN["humaneval"]) for item in items]
-    if not prompts:
-        raise ValueError(f"dataset: {path} holds no prompts")
-    return prompts
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return items
 
 
 def _edit_prompt(item: dict, chat: bool) -> Prompt:
