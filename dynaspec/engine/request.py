@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 from dynaspec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,7 +37,7 @@ class Request:
     eos_token_ids: frozenset[int]
     max_total_tokens: int  # prompt + output may not exceed this (the model's context)
     detokenizer: Detokenizer
-    generator: torch.Generator
+    seed: int  # the sampling seed: draws are a function of (seed, output position) (sampler.py)
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
     # tokens (prompt + output) whose K/V are in the cache; a decoding request has all but its last

@@ -1,4 +1,12 @@
-"""Turning logits into the distribution a request samples from (pure functions)."""
+"""Turning logits into the distribution a request samples from, and drawing from it (pure functions).
+
+Every sampled token is a function of the request's seed and the token's output position alone
+(``coupled_draw`` over uniforms from the counter-based ``counter_uniforms``): no generator state
+advances, so the draw for output position t is the same whether the token is sampled by plain
+decoding, verified in a window of any width, or drawn again after a preemption. A drafter draws
+its draft for position t the same way from its own distribution, which couples draft and target:
+where their likely tokens agree, the draft is the target's own draw (spec_decode/rejection.py).
+"""
 
 from __future__ import annotations
 
@@ -76,15 +84,33 @@ class SamplingTensors:
     temperature: torch.Tensor  # [batch] float32; 0 for greedy rows
     top_k: torch.Tensor  # [batch] int64; 0 disables
     top_p: torch.Tensor  # [batch] float32
-    generators: list[torch.Generator]  # [batch] one per request, for reproducible seeds
+    seeds: torch.Tensor  # [batch] int64: each request's seed (drawn at random when it gave none)
+    positions: torch.Tensor  # [batch] int64: output tokens so far, the output position sampled next
     all_greedy: bool
     penalties: Penalties | None = None  # None when no row uses a penalty or a logit bias
     num_logprobs: list[int | None] = field(default_factory=list)  # [batch] top alternatives wanted
 
     @property
+    def plain(self) -> bool:
+        """No row uses penalties or logprobs: the target's logits and the seeds decide every token."""
+        return self.penalties is None and all(n is None for n in self.num_logprobs)
+
+    @property
     def plain_greedy(self) -> bool:
         """Every row greedy, without penalties or logprobs: the argmax alone decides its tokens."""
-        return self.all_greedy and self.penalties is None and all(n is None for n in self.num_logprobs)
+        return self.all_greedy and self.plain
+
+    def rows(self, index: torch.Tensor) -> SamplingTensors:  # index: [n] int64, rows may repeat
+        """The sampling of the rows ``index`` picks (penalties and logprobs left out: applied and
+        reported on the whole batch)."""
+        return SamplingTensors(
+            temperature=self.temperature.index_select(0, index),
+            top_k=self.top_k.index_select(0, index),
+            top_p=self.top_p.index_select(0, index),
+            seeds=self.seeds.index_select(0, index),
+            positions=self.positions.index_select(0, index),
+            all_greedy=self.all_greedy,
+        )
 
     @classmethod
     def of(cls, requests: list[Request], vocab_size: int, device: torch.device) -> SamplingTensors:
@@ -93,7 +119,8 @@ class SamplingTensors:
             temperature=to_device([p.temperature for p in params], torch.float32, device),
             top_k=to_device([p.top_k for p in params], torch.long, device),
             top_p=to_device([p.top_p for p in params], torch.float32, device),
-            generators=[r.generator for r in requests],
+            seeds=to_device([r.seed & SEED_MASK for r in requests], torch.long, device),
+            positions=to_device([len(r.output_token_ids) for r in requests], torch.long, device),
             all_greedy=all(p.greedy for p in params),
             penalties=Penalties.of(requests, vocab_size, device),
             num_logprobs=[p.logprobs for p in params],
@@ -201,16 +228,101 @@ def processed_probs(
     return probs
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:  # probs: [vocab], unnormalized ok
-    """One draw by inverting the cumulative distribution at a uniform from ``generator``.
+SEED_MASK = (1 << 63) - 1  # seeds are taken modulo 2^63 (an int64 on the device)
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2^27: a 32-bit value times it stays below 2^59, exact in int64
+_SALT = 0x9E3779B9
+COUPLED_TOKENS = 32  # the most likely tokens that race by a noise of their own in a draw (coupled_draw)
+_REST_RACE, _REST_PICK = -1, -2  # the streams of the draw's uniforms for the other tokens (ids are >= 0)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:  # int64 holding 32-bit values
+    """An avalanche of 32-bit values (xor-shift-multiply), in int64 arithmetic that never overflows."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * _MIX) & _MASK32
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(
+    seeds: torch.Tensor,  # int64, any shape, values in [0, 2^63)
+    positions: torch.Tensor,  # int64, broadcastable with seeds: output positions
+    streams: torch.Tensor | int = 0,  # int64, broadcastable: which of a draw's uniforms (a token id, ...)
+) -> torch.Tensor:  # float32, the broadcast shape, in (0, 1) on a grid of 2^-24
+    """The uniform of each (seed, output position, stream): a hash of the three, no generator state.
+
+    Elementwise integer ops only, so it runs on the device inside a captured step and costs the
+    same whatever the window's width. 24 bits (a float32 uniform's resolution), never 0 or 1."""
+    hi = (seeds >> 32) & _MASK32
+    lo = seeds & _MASK32
+    h = _mix32(_mix32((positions & _MASK32) ^ _SALT) ^ (streams & _MASK32))
+    h = _mix32(_mix32(h ^ hi) ^ lo)
+    return ((h >> 8).to(torch.float32) + 0.5) * 2.0**-24
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    return -(-u.log()).log()
+
+
+def coupled_draw(
+    probs: torch.Tensor,  # [rows, vocab] unnormalized ok
+    seeds: torch.Tensor,  # [rows] int64
+    positions: torch.Tensor,  # [rows] int64 output positions
+) -> torch.Tensor:  # [rows] int64
+    """One draw per row from ``probs``, a function of (seed, position) alone, such that two close
+    distributions drawn at the same (seed, position) mostly give the same token.
+
+    The ``COUPLED_TOKENS`` most likely tokens race with a Gumbel noise each, keyed by their token
+    id, against the rest as one entry (its mass and a noise of its own); when the rest wins, a
+    token is drawn from it by inverting its cumulative distribution. Gumbel-max makes each race
+    exact, so the draw follows ``probs``; a token's noise is the same in both distributions, so a
+    draft drawn this way is the target's draw unless their likely tokens differ (Daliri et al.,
+    "Coupling without communication", arXiv 2411.14926)."""
+    m = min(COUPLED_TOKENS, probs.shape[-1])
+    top, ids = probs.topk(m, dim=-1)  # [rows, m]
+    s, t = seeds[:, None], positions[:, None]
+    best, at = (top.log() + _gumbel(counter_uniforms(s, t, ids))).max(-1)  # [rows]
+    rest = probs.scatter(-1, ids, 0.0)  # [rows, vocab]
+    rest_race = rest.sum(-1).log() + _gumbel(counter_uniforms(seeds, positions, _REST_RACE))
+    from_rest = sample_at(rest, counter_uniforms(seeds, positions, _REST_PICK))
+    return torch.where(rest_race > best, from_rest, ids.gather(-1, at[:, None])[:, 0])
+
+
+def sample_at(
+    probs: torch.Tensor,  # [rows, vocab] unnormalized ok
+    u: torch.Tensor,  # [rows] uniforms in [0, 1)
+) -> torch.Tensor:  # [rows] int64
+    """One draw per row by inverting the cumulative distribution (vocabulary order) at u.
 
     The first index whose cumulative mass exceeds u x total has a positive probability (a token of
     probability 0 repeats its predecessor's cumulative mass), and u < 1 always finds one. On CPU it
     is ~25x faster than ``torch.multinomial`` over a 152k vocabulary (0.1 vs 2.7 ms a draw), which
     made sampling a third of a plain step at temperature 1.0 and batch 32."""
-    cdf = probs.cumsum(0)
-    u = torch.rand(1, generator=generator, device=probs.device, dtype=cdf.dtype)
-    return int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_(max=probs.numel() - 1))
+    cdf = probs.cumsum(-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]  # [rows, 1]
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+def target_tokens(
+    logits: torch.Tensor,  # [rows, width, vocab] (penalized where the rows use penalties)
+    sampling: SamplingTensors,  # [rows]
+    first: torch.Tensor | None = None,  # [rows] int64 window position of logits[:, 0] (default 0)
+) -> torch.Tensor:  # [rows, width] int64
+    """The target's token at each window position: the argmax for a greedy row, for a sampled one
+    the draw at (seed, output position) from the processed distribution (``coupled_draw``)."""
+    argmax = logits.argmax(-1)
+    if sampling.all_greedy:
+        return argmax
+    rows, width, vocab = logits.shape
+    probs = processed_probs(logits.float(), sampling.temperature, sampling.top_k, sampling.top_p)
+    offset = torch.arange(width, device=logits.device)[None, :]  # [1, width]
+    if first is not None:
+        offset = offset + first[:, None]
+    seeds = sampling.seeds[:, None].expand(rows, width).reshape(-1)
+    positions = (sampling.positions[:, None] + offset).reshape(-1)  # [rows * width]
+    drawn = coupled_draw(probs.reshape(rows * width, vocab), seeds, positions).view(rows, width)
+    return torch.where(sampling.temperature[:, None] > 0, drawn, argmax)
 
 
 def score_prompts(

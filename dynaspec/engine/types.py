@@ -84,7 +84,6 @@ class Drafts:
 
     token_ids: torch.Tensor  # [num_decodes, k] int64; entries past draft_lens[i] are padding
     draft_lens: list[int]  # [num_decodes] draft tokens of each decode (0..k_caps[i])
-    probs: torch.Tensor | None  # [num_decodes, k, vocab] draft distributions; None for deterministic drafts
     passes: list[DraftPass] = field(default_factory=list)  # the drafter's passes, timed
     # [num_decodes][draft_lens[i]] the drafter's top probability at each draft position; None for
     # proposers without a distribution (n-gram)

@@ -1,10 +1,11 @@
-"""Greedy verification on the device, with one copy back to the host per step.
+"""Verification on the device, with one copy back to the host per step.
 
-For a step whose rows are all greedy without penalties or logprobs, the target's argmax decides
-everything: a row accepts its drafts up to the first that differs from the argmax (or the first
-its drafter did not keep), then emits the argmax there. Argmax, matches and counts stay on the
-device; the host receives, in one copy, each row's argmax window, draft count, accepted count and
-drafts (and the drafter's confidences where they are still on the device), then waits once.
+For a step whose rows use no penalties or logprobs, the target's logits and the rows' seeds decide
+everything: a row accepts its drafts up to the first that differs from the target's token (the
+argmax, or the draw at its seed's uniform: engine/sampler.py) or the first its drafter did not
+keep, then emits the target's token there. Tokens, matches and counts stay on the device; the host
+receives, in one copy, each row's window of target tokens, draft count, accepted count and drafts
+(and the drafter's confidences where they are still on the device), then waits once.
 """
 
 from __future__ import annotations
@@ -13,21 +14,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dynaspec.engine.sampler import to_device
+from dynaspec.engine.sampler import SamplingTensors, target_tokens, to_device
 from dynaspec.engine.types import Drafts, StepResult
 
 if TYPE_CHECKING:
     from dynaspec.spec_decode.synthetic import SyntheticAcceptance
 
 
-def verify_greedy(
+def verify_on_device(
     target_logits: torch.Tensor,  # [rows, k + 1, vocab], decodes first (then completing prefills)
     drafts: Drafts,  # for the decodes: the first len(drafts.draft_lens) rows
+    sampling: SamplingTensors,  # [rows], without penalties or logprobs
     synthetic: SyntheticAcceptance | None = None,
 ) -> StepResult:
     rows, width = target_logits.shape[0], target_logits.shape[1]
     num_decodes, k, device = len(drafts.draft_lens), width - 1, target_logits.device
-    argmax = target_logits.argmax(-1)  # [rows, k + 1]
+    chosen = target_tokens(target_logits, sampling)  # [rows, k + 1]
     if drafts.pending is not None:
         lens = drafts.pending.lens  # [num_decodes]
     else:
@@ -36,10 +38,10 @@ def verify_greedy(
     if rows > num_decodes:  # completing prefills: no drafts
         lens = torch.cat([lens, lens.new_zeros(rows - num_decodes)])
         tokens = torch.cat([tokens, tokens.new_zeros(rows - num_decodes, k)])
-    parts = [argmax, lens[:, None], tokens]
+    parts = [chosen, lens[:, None], tokens]
     if k:
         verified = torch.arange(k, device=device)[None, :] < lens[:, None]  # [rows, k]
-        matched = (tokens == argmax[:, :k]) & verified
+        matched = (tokens == chosen[:, :k]) & verified
         parts.append(matched.long().cumprod(1).sum(1, keepdim=True))  # [rows, 1] accepted
     host = _to_host(torch.cat(parts, 1))
     confidence = None

@@ -36,7 +36,12 @@ import torch.nn.functional as F
 
 from dynaspec.engine.kv_cache import kv_bytes_per_token
 from dynaspec.engine.runner import ModelRunner, StaticChain, TokenRun
-from dynaspec.engine.sampler import SamplingTensors, apply_penalties, processed_probs, sample_from
+from dynaspec.engine.sampler import (
+    SamplingTensors,
+    apply_penalties,
+    coupled_draw,
+    processed_probs,
+)
 from dynaspec.engine.static_pass import NO_SLOT, StepClock, block_table_rows, bucket_of, slots_of
 from dynaspec.engine.types import DeviceDrafts, DraftPass, Drafts, SchedulePlan, StepResult
 from dynaspec.models.attention import SINK_TOKENS
@@ -185,10 +190,7 @@ class DraftModelProposer(Proposer):
         k = plan.k
         passes: list[DraftPass] = []
         tokens = torch.zeros(plan.num_decodes, k, dtype=torch.long, device=self.ctx.device)
-        want_probs = not sampling.all_greedy
-        probs = None
-        if want_probs:
-            probs = torch.zeros(plan.num_decodes, k, self.vocab_size, device=self.ctx.device)
+        sampled = not sampling.all_greedy
         lens = [0] * plan.num_decodes  # draft tokens kept per decode
         self.fed_drafts = {}
         confidence: list[list[float]] = [[] for _ in range(plan.num_decodes)]
@@ -224,18 +226,16 @@ class DraftModelProposer(Proposer):
             idx = torch.tensor(active, dtype=torch.long, device=self.ctx.device)
             if sampling.penalties is not None:  # draft j's context: the output and drafts 0..j-1
                 logits = apply_penalties(logits, sampling.penalties.rows(idx), tokens.index_select(0, idx), j)
-            if want_probs:
+            if sampled:  # draft j at the uniform the target draws its token j from (rejection.py)
+                rows_sampling = sampling.rows(idx)
                 q = processed_probs(
-                    logits, sampling.temperature[idx], sampling.top_k[idx], sampling.top_p[idx]
+                    logits, rows_sampling.temperature, rows_sampling.top_k, rows_sampling.top_p
                 )[:, 0]
                 q = F.pad(q, (0, self.vocab_size - q.shape[-1]))  # a pruned head never proposes the rest
-                probs[:, j].index_copy_(0, idx, q)
                 top = q.max(-1)
-                for row, i in enumerate(active):
-                    if sampling.temperature[i] > 0:
-                        tokens[i, j] = sample_from(q[row], sampling.generators[i])
-                    else:
-                        tokens[i, j] = top.indices[row]
+                drawn = coupled_draw(q, rows_sampling.seeds, rows_sampling.positions + j)  # [len(active)]
+                drawn = torch.where(rows_sampling.temperature > 0, drawn, top.indices)
+                tokens[:, j].index_copy_(0, idx, drawn)
                 top_p = top.values.tolist()
             else:
                 top = torch.softmax(logits[:, 0], -1).max(-1)  # [len(active)]
@@ -246,7 +246,7 @@ class DraftModelProposer(Proposer):
                 if top_p[row] >= plan.min_draft_confidence:
                     lens[i] = j + 1
                     confidence[i].append(top_p[row])
-        return Drafts(tokens, lens, probs, passes, confidence)
+        return Drafts(tokens, lens, passes, confidence)
 
     def _propose_static(self, plan: SchedulePlan) -> Drafts:
         """Greedy drafts from the chain on fixed shapes (``StaticChain``): every row runs all K
@@ -314,7 +314,7 @@ class DraftModelProposer(Proposer):
             ms = clock.ms(start, end) / k
             return [DraftPass(num_active, extra if j == 0 else 0, ms) for j in range(k)]
 
-        return Drafts(tokens, list(plan.k_caps), None, pending=DeviceDrafts(lens, confidence, timer))
+        return Drafts(tokens, list(plan.k_caps), pending=DeviceDrafts(lens, confidence, timer))
 
     def catch_up(self, prompts: list[list[int]], block_tables: list[list[int]]) -> float:
         runs = [TokenRun(ids, 0, blocks, [len(ids) - 1]) for ids, blocks in zip(prompts, block_tables)]

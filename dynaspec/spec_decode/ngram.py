@@ -49,4 +49,4 @@ class NgramProposer(Proposer):
         tokens = torch.zeros(plan.num_decodes, plan.k, dtype=torch.long)
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        return Drafts(tokens.to(self.ctx.device), [len(r) for r in rows], None)
+        return Drafts(tokens.to(self.ctx.device), [len(r) for r in rows])

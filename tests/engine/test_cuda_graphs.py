@@ -72,3 +72,19 @@ def test_a_replayed_step_makes_no_host_sync(dirs):
             e.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_seeded_sampled_speculation_on_cuda_emits_plain_decodings_tokens(dirs, method):
+    """Sampled rows verify on the device (one copy back) and draw at (seed, output position): a
+    seeded request emits on CUDA what plain decoding on CUDA emits, at K = 4, joining a batch."""
+    target, draft = dirs
+    spec = {
+        "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    }[method]
+    params = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=3, ignore_eos=True)
+    plain = run_staggered(engine(target, static_decode=False), PROMPTS, params, arrive_every=2)
+    e = engine(target, speculative_config=spec)
+    assert run_staggered(e, PROMPTS, params, arrive_every=2) == plain
+    assert e.stats()["spec"]["num_draft_tokens"] > 0

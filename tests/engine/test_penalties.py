@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 from support.engine import PROMPTS, make_engine, run_staggered
+from support.sampling import sampling_rows
 from support.stats import CHI2_CRIT, chi2
 
 from dynaspec import SamplingParams
@@ -77,15 +78,7 @@ def _penalties(n: int, output: list[int]) -> Penalties:
 
 
 def _sampling(penalties: Penalties) -> SamplingTensors:
-    return SamplingTensors(
-        temperature=torch.ones(N),
-        top_k=torch.zeros(N, dtype=torch.long),
-        top_p=torch.ones(N),
-        generators=[torch.Generator().manual_seed(i) for i in range(N)],
-        all_greedy=False,
-        penalties=penalties,
-        num_logprobs=[None] * N,
-    )
+    return sampling_rows([1.0] * N, penalties=penalties)
 
 
 def _expected(target_logits, penalties_1, context_tokens) -> np.ndarray:
@@ -106,12 +99,10 @@ def test_sampled_with_penalties_follows_the_penalized_target(drafter):
     penalties = _penalties(N, output)
     if drafter == "deterministic":
         drafts = torch.tensor([[2, 0]]).expand(N, K)
-        q = None
     else:
         q_rows = torch.randn(K, V, generator=gen).softmax(-1)
         drafts = torch.stack([torch.multinomial(q_rows[i], N, True, generator=gen) for i in range(K)], 1)
-        q = q_rows.expand(N, K, V)
-    result = verify(target_logits.expand(N, K + 1, V), Drafts(drafts, [K] * N, q), _sampling(penalties))
+    result = verify(target_logits.expand(N, K + 1, V), Drafts(drafts, [K] * N), _sampling(penalties))
     out = result.token_ids
     one = _penalties(1, output)
     empty = torch.zeros(1, 0, dtype=torch.long)

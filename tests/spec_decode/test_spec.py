@@ -1,7 +1,6 @@
 """Speculative decoding is lossless: greedy output equals plain greedy output token for token."""
 
 import pytest
-import torch
 from support.engine import PROMPTS, make_engine, run_alone, run_staggered
 from support.kpolicy import RaggedK
 
@@ -78,21 +77,40 @@ def test_k0_runs_no_drafter(target_dir, draft_dir, plain):
     assert engine.stats()["spec"]["num_draft_tokens"] == 0
 
 
-def test_sampled_speculation_is_reproducible_with_seed(target_dir, draft_dir):
-    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_draft_model_sampled_with_a_seed_equals_plain_sampled(target_dir, draft_dir, k):
+    """The drafter draws at the target's uniforms and verification keeps the target's own draws
+    (rejection.py): a seeded sampled request emits plain decoding's tokens at any K, joining a
+    running batch, with top-p, and drafts are kept."""
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k}
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
-    outs = []
-    for _ in range(2):
-        engine = spec_engine(target_dir, spec)
-        outs.append(run_staggered(engine, PROMPTS[:3], params))
-    assert outs[0] == outs[1]
+    plain = run_alone(target_dir, PROMPTS[:3], params)
+    engine = spec_engine(target_dir, spec)
+    assert run_staggered(engine, PROMPTS[:3], params) == plain
+    assert engine.stats()["spec"]["num_accepted_tokens"] > 0
+
+
+def test_a_drafter_identical_to_the_target_has_its_sampled_drafts_kept(target_dir):
+    """Drafter and target draw each position at the same uniform, so a drafter that is the target
+    proposes the target's own draws (independent draws would be kept with sum p(x)^2 only)."""
+    spec = {
+        "method": "draft_model",
+        "model": str(target_dir),
+        "num_speculative_tokens": 4,
+        "draft_quantization": "none",  # the target's own float32 weights (int4 by default on the CPU)
+    }
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
+    engine = spec_engine(target_dir, spec)
+    assert run_staggered(engine, PROMPTS[:3], params) == run_alone(target_dir, PROMPTS[:3], params)
+    assert engine.stats()["spec"]["acceptance_rate"] > 0.95
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_ngram_sampled_with_a_seed_equals_plain_sampled(target_dir, k):
     """n-gram drafts take plain decoding's draws (rejection.py): a seeded sampled request emits the
     same tokens with speculation as without, even when it joins a running batch."""
-    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=11, ignore_eos=True)
+    # a peaked temperature: the tiny random model's text repeats itself enough to keep some drafts
+    params = SamplingParams(max_tokens=24, temperature=0.3, top_p=0.95, seed=11, ignore_eos=True)
     plain = run_alone(target_dir, PROMPTS, params)
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     engine = spec_engine(target_dir, spec)
@@ -317,29 +335,23 @@ def test_a_cut_head_also_drafts_the_context_s_own_ids(tiny_dir):
     assert rates[True] > rates[False]
 
 
-def test_a_widened_cut_head_hands_verification_a_distribution_on_its_ids(tiny_dir):
-    """Sampled: each draft's q sums to 1 and lies on the cut and the request's context ids only,
-    with mass beyond the cut (rejection sampling then keeps the target's distribution for any q:
-    test_rejection.py)."""
+def test_a_widened_cut_head_draws_sampled_drafts_on_its_ids(tiny_dir):
+    """Sampled: every draft lies on the cut or the request's context ids, some beyond the cut, and
+    the output is plain sampled decoding's (drafts never change it: test_rejection.py)."""
     tied = tiny_dir(arch="qwen2", seed=3, num_layers=2, tie=True)
     cut = 192
     spec = {"method": "draft_model", "model": str(tied), "num_speculative_tokens": 2, "draft_vocab_size": cut}
     engine = spec_engine(tied, spec)
-    beyond_mass = []
+    beyond = []
 
     def check(plan, drafts):
-        if drafts.probs is None:  # K = 0 this step
-            return
         for i, r in enumerate(plan.decodes):
-            allowed = torch.zeros(drafts.probs.shape[-1], dtype=torch.bool)
-            allowed[:cut] = True
-            allowed[r.token_at(0, r.num_tokens)] = True
-            for q in drafts.probs[i, : drafts.draft_lens[i]]:
-                assert abs(float(q.sum()) - 1.0) < 1e-4
-                assert float(q[~allowed].sum()) == 0.0
-                beyond_mass.append(float(q[cut:].sum()))
+            context = set(r.token_at(0, r.num_tokens))
+            for t in drafts.token_ids[i, : drafts.draft_lens[i]].tolist():
+                assert t < cut or t in context
+                beyond.append(t >= cut)
 
     _spy_drafts(engine, check)
     params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True, seed=0)
-    run_staggered(engine, PROMPTS, params)
-    assert beyond_mass and max(beyond_mass) > 0.01
+    assert run_staggered(engine, PROMPTS, params) == run_alone(tied, PROMPTS, params)
+    assert beyond and any(beyond)

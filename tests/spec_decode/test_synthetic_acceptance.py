@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
+from support.sampling import sampling_rows
 
-from dynaspec.engine.sampler import SamplingTensors
 from dynaspec.engine.types import Drafts
 from dynaspec.kpolicy.config import SpeculativeConfig
 from dynaspec.spec_decode.rejection import verify
@@ -62,18 +62,6 @@ def test_emitted_tokens():
     assert synthetic_emitted([5, 6, 7], 3, 9) == [5, 6, 7, 9]
 
 
-def _sampling(temperatures: list[float], top_k: int = 0) -> SamplingTensors:
-    n = len(temperatures)
-    return SamplingTensors(
-        temperature=torch.tensor(temperatures),
-        top_k=torch.full((n,), top_k, dtype=torch.long),
-        top_p=torch.ones(n),
-        generators=[torch.Generator().manual_seed(i) for i in range(n)],
-        all_greedy=all(t == 0 for t in temperatures),
-        num_logprobs=[None] * n,
-    )
-
-
 def test_verify_accepts_by_the_rates_and_emits_the_target_token():
     """Drafts the target would reject are accepted anyway; the token after them is the target's at
     that window position (argmax when greedy; a sample from p, here top-k 1, when sampled)."""
@@ -85,7 +73,7 @@ def test_verify_accepts_by_the_rates_and_emits_the_target_token():
     expected_accepted = SyntheticAcceptance([0.9, 0.6, 0.3], seed=0).accepted([k] * rows + [0])
     temperatures = [0.0 if b % 2 else 1.0 for b in range(rows + 1)]
     result = verify(
-        logits, Drafts(drafts, [k] * rows, None), _sampling(temperatures, top_k=1), synthetic=synthetic
+        logits, Drafts(drafts, [k] * rows), sampling_rows(temperatures, top_k=1), synthetic=synthetic
     )
     assert result.num_accepted == expected_accepted[:rows]
     argmax = logits.argmax(-1)
@@ -102,9 +90,7 @@ def test_verify_sampled_rows_draw_from_p():
     logits = torch.zeros(rows, k + 1, vocab)
     logits[:, :, 3] = 2.0  # p(3) = e^2 / (e^2 + 4)
     drafts = torch.zeros(rows, k, dtype=torch.long)
-    result = verify(
-        logits, Drafts(drafts, [k] * rows, None), _sampling([1.0] * rows), SyntheticAcceptance(0.5)
-    )
+    result = verify(logits, Drafts(drafts, [k] * rows), sampling_rows([1.0] * rows), SyntheticAcceptance(0.5))
     last = torch.tensor([t[-1] for t in result.token_ids])
     p3 = math.exp(2) / (math.exp(2) + 4)
     assert float((last == 3).float().mean()) == pytest.approx(p3, abs=4.5 * math.sqrt(p3 * (1 - p3) / rows))
