@@ -227,7 +227,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             max_total_tokens=self.max_model_len,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
-            generator=torch.Generator(device=self.device).manual_seed(seed),
+            seed=seed,
         )
         self.scheduler.add(request)
         self.counters.num_prompt_tokens += len(prompt_ids)
@@ -351,4 +351,5 @@ class Engine:
         if self.config.speculative_config is not None:
             out["spec"] = self.counters.spec.to_dict()
             out["spec"]["policy"] = self._k_policy.snapshot()
+            out["spec"]["proposer"] = self.proposer.stats()  # e.g. the suffix trees' tokens and nodes
         return out

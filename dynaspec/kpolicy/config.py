@@ -10,12 +10,12 @@ import itertools
 import json
 from dataclasses import asdict, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "suffix")
 TABLE = "num_speculative_tokens_per_batch_size"
 SYNTHETIC = "synthetic_acceptance_rate"
 # a draft model's window when the config names none: acceptance on long code outputs 0.788 against
@@ -25,11 +25,30 @@ DEFAULT_DRAFT_CONTEXT_WINDOW = 256
 # at load (4.5 bits a weight): the pair's drafter pass streams 22% fewer bytes (8.5 -> 6.9 ms at one
 # row), for drafts kept 0.831 against 0.844 with the file's own Q5_0/Q8_0 (long sampled code)
 DEFAULT_DRAFT_QUANTIZATION = "int4"
+SUFFIX_FIELDS = (
+    "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_cached_tokens",
+    "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob",
+)
+
+
+class SuffixSettings(NamedTuple):
+    """The suffix drafter's options with their defaults (vLLM's, and a token budget of our own)."""
+
+    max_tree_depth: int = 24  # match + draft tokens
+    max_cached_requests: int = 10000  # finished outputs kept (0: none)
+    # tokens of finished outputs kept: the cache's memory bound (a branch node per repeated
+    # substring, a leaf per token)
+    max_cached_tokens: int = 1 << 17
+    max_spec_factor: float = 1.0  # draft tokens at most this times the match length
+    min_token_prob: float = 0.1  # a draft token's estimated probability (its frequency) at least this
 
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=True))
 class SpeculativeConfig:
-    method: Literal["draft_model", "ngram"]
+    method: Literal["draft_model", "ngram", "suffix"]
     model: str | None = None  # draft_model: a pack name, HF directory or .gguf file
     num_speculative_tokens: int | None = Field(default=None, ge=1, le=32)  # the maximum K
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = (
@@ -60,6 +79,18 @@ class SpeculativeConfig:
     # in (0, 1], unconditional as the profile's; or one number a: α_i = a^i), so that the cost of every
     # K can be profiled and swept with dummy weights; `serve` refuses it
     synthetic_acceptance_rate: float | tuple[float, ...] | None = None
+    # suffix: see SuffixSettings for what each does and its default
+    suffix_decoding_max_tree_depth: int | None = Field(default=None, ge=2)
+    suffix_decoding_max_cached_requests: int | None = Field(default=None, ge=0)
+    suffix_decoding_max_cached_tokens: int | None = Field(default=None, ge=0)
+    suffix_decoding_max_spec_factor: float | None = Field(default=None, gt=0.0)
+    suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0.0, le=1.0)
+
+    @property
+    def suffix(self) -> SuffixSettings:
+        """The suffix drafter's options, defaults filled in."""
+        given = {name.removeprefix("suffix_decoding_"): getattr(self, name) for name in SUFFIX_FIELDS}
+        return SuffixSettings(**{k: v for k, v in given.items() if v is not None})
 
     @property
     def context_window(self) -> int | None:
@@ -128,6 +159,10 @@ class SpeculativeConfig:
             for name in drafter_only:
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}: only applies to method draft_model")
+        if self.method != "suffix":
+            for name in SUFFIX_FIELDS:
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only applies to method suffix")
         if self.num_speculative_tokens is None and self.dynamic_config_path is None:
             raise ValueError("num_speculative_tokens: required (an integer >= 1)")
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -76,6 +76,10 @@ class Proposer:
     def release(self, request_ids: list[str]) -> None:
         """Forget requests that finished or were preempted."""
 
+    def stats(self) -> dict:
+        """What the proposer holds (e.g. the memory its state takes); {} when it keeps none."""
+        return {}
+
     def catch_up(self, prompts: list[list[int]], block_tables: list[list[int]]) -> float | None:
         """Milliseconds of one pass over whole prompts from nothing (what a new request costs the
         drafter), on blocks the caller lends; None when the proposer has nothing to catch up on."""
@@ -83,7 +87,7 @@ class Proposer:
 
     def no_drafts(self, plan: SchedulePlan) -> Drafts:
         empty = torch.zeros(plan.num_decodes, 0, dtype=torch.long, device=self.ctx.device)
-        return Drafts(empty, [0] * plan.num_decodes, None)
+        return Drafts(empty, [0] * plan.num_decodes)
 
 
 ProposerFactory = Callable[["SpeculativeConfig", ProposerContext], Proposer]
@@ -102,6 +106,7 @@ def make_proposer(spec_config: SpeculativeConfig | None, ctx: ProposerContext) -
     if spec_config is None:
         return Proposer(ctx)
     import dynaspec.spec_decode.draft_model
-    import dynaspec.spec_decode.ngram  # noqa: F401  registers ngram
+    import dynaspec.spec_decode.ngram
+    import dynaspec.spec_decode.suffix  # noqa: F401  each registers its method
 
     return PROPOSERS[spec_config.method](spec_config, ctx)
