@@ -14,6 +14,7 @@ BENCHMARKS = [
     "serve",
     "qmatmul",
     "replicas_sim",
+    "soak",
 ]
 
 

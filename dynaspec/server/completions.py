@@ -54,17 +54,23 @@ async def serve(
             ids = state.backend.prompt_token_ids(prompt)
         except ValueError as e:
             raise APIError(400, f"prompt: {e}", "prompt") from None
-        echo = ""
-        if not chat and body.echo:
-            echo = prompt if isinstance(prompt, str) else state.backend.tokenizer.decode(ids)
         for i in range(body.n):  # sample i of a seeded request is seeded with seed + i
             sample = params if params.seed is None else replace(params, seed=params.seed + i)
             index = p * body.n + i
-            choices.append(Choice(index, i, f"{response_id}-{index}", ids, echo, sample))
+            choices.append(Choice(index, i, f"{response_id}-{index}", ids, "", sample))
     try:
         queue = await state.backend.submit([(c.prompt_ids, c.params, c.request_id) for c in choices], replica)
     except ValueError as e:
         raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
+    if not chat and body.echo:  # only now: the engine has checked that token-id prompts decode
+        texts = [
+            prompt
+            if isinstance(prompt, str)
+            else state.backend.tokenizer.decode(choices[i * body.n].prompt_ids)
+            for i, prompt in enumerate(prompts)
+        ]
+        for c in choices:
+            c.echo_text = texts[c.index // body.n]
     by_id = {c.request_id: c for c in choices}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:

@@ -2,14 +2,15 @@
 
 Latency histograms and token counters are recorded as requests progress; engine state (running,
 waiting, KV usage) and the speculative counters (named like the reference engine's) are read from
-the engine loop's latest snapshot when /metrics is scraped.
+the engine loop's latest snapshot when /metrics is scraped. The standard ``process_*`` series
+(resident memory, CPU seconds, open files) describe the server's own process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dynaspec.engine.request import FinishReason, Request
@@ -22,6 +23,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and the like (Linux /proc)
         self.ttft = Histogram(
             "dynaspec:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
         )

@@ -90,17 +90,27 @@ class ChatRequest(_Common):
     response_format: dict[str, Any] | None = None
 
 
+MAX_IGNORED_NAMES = 64  # ignored field names remembered (and logged); a fuzzer sends endless new ones
+
+
 class IgnoredFields:
-    """Logs each ignored field name the first time a request sends it."""
+    """Logs each ignored field name the first time a request sends it, for the first
+    ``MAX_IGNORED_NAMES`` names: a server that runs for days keeps a bounded set and log."""
 
     def __init__(self) -> None:
         self._seen: set[str] = set()
+        self._full = False  # MAX_IGNORED_NAMES names seen: no more are remembered or logged
 
     def note(self, body: BaseModel) -> None:
         for name in body.model_extra or {}:
-            if name not in self._seen:
-                self._seen.add(name)
-                log.info("ignoring request field %r (not used by this server)", name)
+            if self._full or name in self._seen:
+                continue
+            if len(self._seen) == MAX_IGNORED_NAMES:
+                self._full = True
+                log.info("ignoring more request field names; the first %d were logged", MAX_IGNORED_NAMES)
+                continue
+            self._seen.add(name)
+            log.info("ignoring request field %r (not used by this server)", name)
 
 
 def refuse_unsupported(body: CompletionRequest | ChatRequest) -> None:

@@ -1,8 +1,12 @@
 """Each kind of bad input gets a 4xx with an OpenAI-style error body, and the server keeps serving."""
 
+import gc
+
 import httpx
 import pytest
 from support.server import running_server
+
+from dynaspec.server.protocol import MAX_IGNORED_NAMES, CompletionRequest, IgnoredFields
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +36,13 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
         ("/v1/completions", {**GOOD, "presence_penalty": 3}, 400, "presence_penalty"),
         ("/v1/completions", {**GOOD, "logit_bias": {"x": 1}}, 400, "logit_bias"),
         ("/v1/completions", {**GOOD, "prompt": ["a", ""]}, 400, "prompt"),
+        # echo decodes a token-id prompt: only once the engine has found its ids in the vocabulary
+        (
+            "/v1/completions",
+            {**GOOD, "prompt": [1000, 6227020799, -5], "echo": True, "logprobs": 1},
+            400,
+            "prompt",
+        ),
         ("/v1/completions", {**GOOD, "top_p": 7}, 400, "top_p"),
         ("/v1/completions", {k: v for k, v in GOOD.items() if k != "prompt"}, 400, "prompt"),
         ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
@@ -125,8 +136,18 @@ def test_bad_token_ids_in_every_sub_request_log_no_traceback_and_leave_nothing(t
         assert good.status_code == 200
         assert not loop.busy and loop.engine.allocator.usage == 0.0
         assert not loop.engine.has_unfinished()
-    import gc
-
     gc.collect()  # a future whose exception nobody retrieved logs when it is collected
     errors = [rec for rec in caplog.records if rec.levelname == "ERROR"]
     assert not errors, [rec.getMessage() for rec in errors]
+
+
+def test_ignored_field_names_are_remembered_and_logged_up_to_a_bound(caplog):
+    """A fuzzer sends a new field name in every request: the set of names (and the log) stay bounded."""
+    ignored = IgnoredFields()
+    with caplog.at_level("INFO", logger="dynaspec.server.protocol"):
+        for i in range(3):
+            names = {f"field_{i}_{j}": 1 for j in range(MAX_IGNORED_NAMES)}
+            ignored.note(CompletionRequest(**GOOD, **names))
+    logged = [rec.getMessage() for rec in caplog.records]
+    assert len(logged) == MAX_IGNORED_NAMES + 1 and f"the first {MAX_IGNORED_NAMES} were" in logged[-1]
+    assert len(ignored._seen) == MAX_IGNORED_NAMES
