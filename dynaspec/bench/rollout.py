@@ -316,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
             engine = engines["none" if factory is None else "spec"]
             if factory is not None:
                 engine.set_k_policy(_Traced(factory()))
+                engine.proposer.reset()  # no config drafts from another's outputs (a suffix cache)
                 engine.proposer.window = w  # no request is running: each catches up afresh
             results[name].append(rollout(engine, prompts, params(rnd)))
             done = results[name][-1]

@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
             engine = engines[engine_name]
             if k is not None:
                 engine.set_k_policy(FixedK(k))
+                engine.proposer.reset()  # no run drafts from another's output of the same prompt
             start = time.perf_counter()
             with engine.recording() as run:
                 request = engine.add_request(ids, params)

@@ -266,6 +266,7 @@ def _run_config(
     engine = engines["none" if name == "none" else "spec"]
     if name != "none":
         engine.set_k_policy(policies[name]())  # fresh: no acceptance or cost history carried over
+        engine.proposer.reset()  # nor a proposer's memory of earlier outputs (a suffix cache)
     with engine.recording() as run:
         wall, requests, tpot = closed_loop(engine, prompts, concurrency, params)
     drafts, accepted = run.spec.num_drafts, run.spec.num_accepted_tokens

@@ -324,7 +324,8 @@ class Engine:
         result.prompt_logprobs = score_prompts(logits.prompts, plan.prefills)  # for prompt_logprobs
         self.proposer.commit(plan, result)  # e.g. draft-model KV catch-up
         timing = StepTiming.of(plan, result, self._clock.ms(start, end), drafts.timed_passes())
-        self._observe(StepRecord(plan, result, timing, result.draft_confidence))
+        paid = self.proposer.pays_for_unfilled_positions()
+        self._observe(StepRecord(plan, result, timing, result.draft_confidence, paid))
         return self.scheduler.update(plan, result)  # append, finish, free KV
 
     def _observe(self, record: StepRecord) -> None:

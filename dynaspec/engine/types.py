@@ -172,6 +172,8 @@ class StepRecord:
     result: StepResult
     timing: StepTiming
     draft_confidence: list[list[float]] | None = None  # Drafts.confidence of the step
+    # a draft position the proposer left empty (a confidence stop) still cost it a pass (a draft model)
+    unfilled_positions_paid: bool = False
 
 
 @dataclass(frozen=True, slots=True)

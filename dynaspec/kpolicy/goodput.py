@@ -376,14 +376,15 @@ def asked_positions(record: StepRecord) -> list[int]:
     """The draft positions the acceptance estimates count for each decode of a step.
 
     A draft model runs a pass for every position it was asked for until a confidence stop; a
-    position cut by the stop adds no token but its pass was paid. So with a drafter (the step
-    carries draft confidences) acceptance is counted per position asked (``k_caps``), a stopped one
-    counting as not accepted, and the expected tokens the policy weighs against the passes it buys
-    are those it gets: at temperature 1.0 stops cut 20-40% of asked positions at 2-6 requests,
-    where the rate per proposed token was 0.75-0.89 and per asked 0.45-0.65 (the results diary,
-    "The decoder stack as one call"). An n-gram proposer pays nothing for a position it cannot
-    fill (no match costs no pass and no verification), so it counts what it proposed."""
+    position cut by the stop adds no token but its pass was paid. So with a drafter that pays for
+    them (``StepRecord.unfilled_positions_paid``) acceptance is counted per position asked
+    (``k_caps``), a stopped one counting as not accepted, and the expected tokens the policy weighs
+    against the passes it buys are those it gets: at temperature 1.0 stops cut 20-40% of asked
+    positions at 2-6 requests, where the rate per proposed token was 0.75-0.89 and per asked
+    0.45-0.65 (the results diary, "The decoder stack as one call"). A model-free proposer (n-gram,
+    suffix) pays nothing for a position it does not fill (no pass, no verification), so it counts
+    what it proposed."""
     lens = record.result.draft_lens
-    if record.draft_confidence is None:
+    if not record.unfilled_positions_paid:
         return list(lens)
     return [max(d, k) for d, k in zip(lens, record.plan.k_caps)]

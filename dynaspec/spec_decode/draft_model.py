@@ -159,6 +159,9 @@ class DraftModelProposer(Proposer):
                 full[row].index_copy_(0, vocab.ids, vocab.rows @ hidden[row].float())
         return full
 
+    def pays_for_unfilled_positions(self) -> bool:
+        return True  # the pass at a stopped position ran before its confidence stopped it
+
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.model.config, self.kv_dtype)
 

@@ -76,6 +76,15 @@ class Proposer:
     def release(self, request_ids: list[str]) -> None:
         """Forget requests that finished or were preempted."""
 
+    def reset(self) -> None:
+        """Forget what earlier requests taught it (a benchmark's configurations then start alike);
+        called with no request running."""
+
+    def pays_for_unfilled_positions(self) -> bool:
+        """Whether a draft position it was asked for and left empty (a confidence stop, no match)
+        still cost it a pass: then the K policy counts acceptance per position asked."""
+        return False
+
     def stats(self) -> dict:
         """What the proposer holds (e.g. the memory its state takes); {} when it keeps none."""
         return {}

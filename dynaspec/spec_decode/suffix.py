@@ -30,12 +30,15 @@ if TYPE_CHECKING:
 class SuffixProposer(Proposer):
     def __init__(self, spec_config: SpeculativeConfig, ctx: ProposerContext) -> None:
         super().__init__(ctx)
-        settings = spec_config.suffix
-        self.max_spec_factor = settings.max_spec_factor
-        self.min_token_prob = settings.min_token_prob
-        self.index = SuffixIndex(
-            settings.max_tree_depth, settings.max_cached_requests, settings.max_cached_tokens
-        )
+        self.settings = spec_config.suffix
+        self.max_spec_factor = self.settings.max_spec_factor
+        self.min_token_prob = self.settings.min_token_prob
+        self.reset()
+
+    def reset(self) -> None:
+        """An empty index: no live request, no cached output."""
+        s = self.settings
+        self.index = SuffixIndex(s.max_tree_depth, s.max_cached_requests, s.max_cached_tokens)
         self._requests: dict[str, Request] = {}  # live requests the index follows
         self._num_output: dict[str, int] = {}  # output tokens of each the index has seen
 

@@ -262,22 +262,24 @@ def test_request_rates_start_at_the_batch_and_follow_the_request():
     assert "a" not in est.counts and est.rates("a", batch) == pytest.approx(batch)
 
 
-def test_a_position_cut_by_a_confidence_stop_counts_as_not_accepted():
-    """With a drafter (the step carries draft confidences) acceptance is per position asked: a
-    stopped one was paid for by a drafter pass and added no token. An n-gram's unfilled positions
-    cost nothing and are not counted."""
+def test_a_position_cut_by_a_paid_confidence_stop_counts_as_not_accepted():
+    """With a drafter that pays a pass for a stopped position acceptance is per position asked: a
+    stopped one added no token. A model-free proposer's unfilled positions cost nothing and are not
+    counted, with confidences (suffix) or without (n-gram)."""
     from dynaspec.engine.types import StepRecord
 
     # decode 0 asked for 3, stopped after 1 (accepted); decode 1 proposed all 3, accepted 2
     plain = step_record([1, 3], [1, 2], asked=[3, 3])
-    drafter = StepRecord(plain.plan, plain.result, plain.timing, [[0.9, 0.1], [0.9, 0.8, 0.7]])
+    confidences = [[0.9, 0.1], [0.9, 0.8, 0.7]]
+    suffix = StepRecord(plain.plan, plain.result, plain.timing, confidences)
+    drafter = StepRecord(plain.plan, plain.result, plain.timing, confidences, unfilled_positions_paid=True)
     counted = {}
-    for name, record in (("ngram", plain), ("drafter", drafter)):
+    for name, record in (("ngram", plain), ("suffix", suffix), ("drafter", drafter)):
         policy = GoodputK(profile(), 3, hysteresis_steps=1)
         policy.acceptance.decay = 1.0
         policy.observe(record)
         counted[name] = (policy.acceptance.drafted, policy.acceptance.accepted)
-    assert counted["ngram"] == ([2, 1, 1], [2, 1, 0])
+    assert counted["ngram"] == counted["suffix"] == ([2, 1, 1], [2, 1, 0])
     assert counted["drafter"] == ([2, 2, 2], [2, 1, 0])
 
 
