@@ -6,11 +6,13 @@ drawn per request from a long-tailed (log-normal) distribution with a seed, so t
 tail of a few long requests. Configurations run side by side on the same prompts and the same
 per-request sampling seeds, in interleaved rounds (A B C ... then C B A ...): no speculation, fixed
 K, and with a `--profile` the profiled table and the goodput policy. The seeds change from round to
-round, so rounds average over texts; with n-gram drafting every configuration of a round emits the
-same text as no speculation (spec_decode/rejection.py), so a round compares K choices alone.
-Reported per configuration: the makespan (until the last request finishes), the times until 50% /
-90% / 100% of requests finished, output tokens/s, and over time the running batch size and the K
-chosen (plotted).
+round, so rounds average over texts; every configuration of a round emits the same text as no
+speculation (spec_decode/rejection.py), so a round compares K choices alone. `--samples-per-prompt
+N` makes it GRPO-shaped (each prompt sampled N times, each sample its own seed) and `--epochs E`
+runs the same prompts again with new seeds, the proposer's memory kept (a suffix cache: the next
+epoch of RL), reported per epoch. Reported per configuration: the makespan (until the last request
+finishes), the times until 50% / 90% / 100% of requests finished, output tokens/s, and over time
+the running batch size and the K chosen (plotted).
 """
 
 from __future__ import annotations
@@ -66,6 +68,20 @@ def add_parser(sub) -> None:
         default=None,
         help="also run every speculative configuration with this draft_context_window (named '... w=N'; "
         "0: the whole context, '... w=all'), on the same engine",
+    )
+    p.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        default=1,
+        help="GRPO's group: each prompt sampled this many times, each sample its own seed (to the engine "
+        "the n samples of one request and identical prompts sent apart are the same requests)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=1,
+        help="the same prompts again with new seeds, the proposer's memory kept (a suffix cache: RL's next "
+        "epoch); reported per epoch as '<config> e<N>'",
     )
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--rollout-seed", type=int, default=0, help="lengths and per-request sampling seeds")
@@ -240,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_at_least(
         ("--num-prompts", args.num_prompts, 1),
+        ("--samples-per-prompt", args.samples_per_prompt, 1),
+        ("--epochs", args.epochs, 1),
         ("--rounds", args.rounds, 1),
         ("--length-sigma", args.length_sigma, 0),
     )
@@ -266,9 +284,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             "--draft-context-window: a token count (0: the whole context), for method draft_model only"
         )
+    num_requests = args.num_prompts * args.samples_per_prompt
     kwargs = engine_kwargs(args)
-    kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], args.num_prompts)
-    kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], args.num_prompts * (max_k + 1))
+    kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], num_requests)
+    kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], num_requests * (max_k + 1))
     spec_dict = {**spec.to_dict(), "num_speculative_tokens": max_k}
     spec_dict.pop("num_speculative_tokens_per_batch_size", None)
     spec_dict.pop("dynamic_config_path", None)
@@ -291,16 +310,18 @@ def run(args: argparse.Namespace) -> int:
     configs = list(plan)
     all_prompts = load_prompts(args.dataset, chat=True)
     prompts = [all_prompts[i % len(all_prompts)] for i in range(args.num_prompts)]
+    prompts = [p for p in prompts for _ in range(args.samples_per_prompt)]  # a prompt's samples together
     caps = lengths_for(args, len(prompts))
+    epochs = [""] if args.epochs == 1 else [f" e{e + 1}" for e in range(args.epochs)]
 
-    def params(rnd: int) -> list[SamplingParams]:
-        # seeds change with the round, so rounds average over texts; within one, every config
-        # gets the same (with n-gram drafts it then emits the same text: rejection.py)
+    def params(rnd: int, epoch: int) -> list[SamplingParams]:
+        # seeds change with the round and the epoch, so rounds average over texts; within one,
+        # every config gets the same (and then emits the same text: rejection.py)
         return [
             SamplingParams(
                 max_tokens=cap,
                 temperature=args.temperature,
-                seed=(args.rollout_seed * 1_000_003 + rnd) * 100_003 + i,
+                seed=(args.rollout_seed * 1_000_003 + rnd) * 100_003 + i + epoch * 7_777_777_777,
                 ignore_eos=args.lengths == "longtail",
             )
             for i, cap in enumerate(caps)
@@ -309,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     for engine in engines.values():  # first-call overheads off the clock
         rollout(engine, prompts[:2], [SamplingParams(max_tokens=4, temperature=0.0)] * 2)
 
-    results: dict[str, list[dict]] = {c: [] for c in configs}
+    results: dict[str, list[dict]] = {c + tag: [] for c in configs for tag in epochs}
     for rnd in range(args.rounds):
         for name in configs if rnd % 2 == 0 else configs[::-1]:
             factory, w = plan[name]
@@ -318,11 +339,13 @@ def run(args: argparse.Namespace) -> int:
                 engine.set_k_policy(_Traced(factory()))
                 engine.proposer.reset()  # no config drafts from another's outputs (a suffix cache)
                 engine.proposer.window = w  # no request is running: each catches up afresh
-            results[name].append(rollout(engine, prompts, params(rnd)))
-            done = results[name][-1]
-            print(f"round {rnd + 1} {name}: makespan {done['finish'][-1]:.1f} s", flush=True)
+            for epoch, tag in enumerate(epochs):  # later epochs keep what the proposer learned
+                results[name + tag].append(rollout(engine, prompts, params(rnd, epoch)))
+                done = results[name + tag][-1]
+                print(f"round {rnd + 1} {name + tag}: makespan {done['finish'][-1]:.1f} s", flush=True)
 
     rows, records, same_text = [], [], {}
+    baseline = {c + tag: results["none" + tag] for c in configs for tag in epochs}  # the same epoch's
     for name, runs in results.items():
         makespan = sum(r["finish"][-1] for r in runs) / len(runs)
         t50 = sum(_at(r["finish"], 0.5) for r in runs) / len(runs)
@@ -330,9 +353,9 @@ def run(args: argparse.Namespace) -> int:
         tokens = sum(r["tokens"] for r in runs)
         speed = tokens / sum(r["finish"][-1] for r in runs)
         stall = max(longest_step(r["series"]) for r in runs)
-        same = sum(r["text"] == base["text"] for r, base in zip(runs, results["none"]))
+        same = sum(r["text"] == base["text"] for r, base in zip(runs, baseline[name]))
         # speed-up over no speculation within each round (the same texts and the same seeds)
-        by_round = [base["finish"][-1] / r["finish"][-1] for r, base in zip(runs, results["none"])]
+        by_round = [base["finish"][-1] / r["finish"][-1] for r, base in zip(runs, baseline[name])]
         rows.append([name, makespan, t50, t90, speed, stall, " ".join(f"{x:.2f}" for x in by_round)])
         same_text[name] = f"{same}/{len(runs)}"
         records.append(
@@ -348,12 +371,22 @@ def run(args: argparse.Namespace) -> int:
                 "vs_none_by_round": [round(x, 4) for x in by_round],
                 "spread_between_rounds": round(spread_of([r["finish"][-1] for r in runs]), 4),
                 "k_by_running": k_by_running([r["series"] for r in runs]),
-                "rounds": [{"finish_s": r["finish"], "series": r["series"], "text": r["text"]} for r in runs],
+                "rounds": [
+                    {
+                        "finish_s": r["finish"],
+                        "series": r["series"],
+                        "text": r["text"],
+                        "acceptance_per_pos": [round(a, 4) for a in r["acceptance_per_pos"] or []],
+                    }
+                    for r in runs
+                ],
             }
         )
-    best_fixed = min(r[1] for r in rows if r[0].split(" ")[0] not in ("table", *DYNAMIC_CONFIGS))
-    for row in rows:
-        row += [row[1] / best_fixed, same_text[row[0]]]
+    for tag in epochs:  # against the best of none and fixed K in the same epoch
+        mine = [r for r in rows if r[0].endswith(tag)]
+        best_fixed = min(r[1] for r in mine if r[0].split(" ")[0] not in ("table", *DYNAMIC_CONFIGS))
+        for row in mine:
+            row += [row[1] / best_fixed, same_text[row[0]]]
     columns = ["config", "makespan s", "50% s", "90% s", "tok/s", "longest step s", "x none by round"]
     columns += ["vs best fixed", "rounds with none's text"]
     print(format_table(columns, rows))
@@ -367,9 +400,9 @@ def run(args: argparse.Namespace) -> int:
             print(format_k_by_running(record["k_by_running"]))
     model = None
     deepest = f"K={max(fixed_ks)}" if fixed_ks else None
-    if profile is not None and deepest in results:
+    if profile is not None and deepest is not None and deepest + epochs[0] in results:
         # the acceptance this batch showed at the deepest fixed K, every position drafted
-        alpha = results[deepest][0]["acceptance_per_pos"]
+        alpha = results[deepest + epochs[0]][0]["acceptance_per_pos"]
         if alpha:
             model = {"acceptance_per_pos": [round(a, 4) for a in alpha]}
             model["makespan_s"] = modelled_makespans(caps, profile, alpha, fixed_ks)

@@ -102,6 +102,35 @@ def test_ngram_rollout_configs_emit_none_s_text_in_each_round(tmp_path, target_d
         assert r["same_text_as_none"] == 2
 
 
+def test_grpo_rollout_samples_each_prompt_and_keeps_the_suffix_cache_between_epochs(tmp_path, target_dir):
+    """2 prompts x 3 samples, 2 epochs, suffix drafts: each epoch runs the 6 requests, every config
+    emits none's text in each epoch (new seeds in the second), and the second epoch drafts from the
+    first's cached outputs: more drafts kept than in the first, where no config saw another's."""
+    profile, prompts = tiny_inputs(tmp_path)
+    result = tmp_path / "rollout.json"
+    spec = {"method": "suffix", "num_speculative_tokens": 2}
+    rc = main(
+        [
+            "bench", "rollout", "--model", str(target_dir), "--dtype", "float32",
+            "--kv-cache-memory-gb", "0.02", "--speculative-config", json.dumps(spec),
+            "--profile", str(profile), "--policies", "goodput", "--dataset", str(prompts),
+            "--num-prompts", "2", "--samples-per-prompt", "3", "--epochs", "2", "--temperature", "0",
+            "--max-tokens", "16", "--fixed-ks", "2", "--result-file", str(result),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    rows = {r["config"]: r for r in json.loads(result.read_text())["rows"]}
+    assert set(rows) == {f"{c} e{e}" for c in ("none", "K=2", "goodput") for e in (1, 2)}
+    for r in rows.values():
+        assert len(r["rounds"][0]["finish_s"]) == 6
+        epoch = r["config"].split(" ")[-1]
+        assert r["rounds"][0]["text"] == rows[f"none {epoch}"]["rounds"][0]["text"]
+    # greedy: the second epoch repeats the first's text, which the cache then drafts
+    assert rows["K=2 e1"]["rounds"][0]["text"] == rows["K=2 e2"]["rounds"][0]["text"]
+    first, second = (rows[f"K=2 e{e}"]["rounds"][0]["acceptance_per_pos"] for e in (1, 2))
+    assert second[0] > 0.9 and second[0] > first[0]
+
+
 def test_modelled_makespans_pick_k_by_batch_size():
     from dynaspec.bench.rollout import modelled_makespans
 

@@ -77,16 +77,23 @@ def test_k0_runs_no_drafter(target_dir, draft_dir, plain):
     assert engine.stats()["spec"]["num_draft_tokens"] == 0
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_draft_model_sampled_with_a_seed_equals_plain_sampled(target_dir, draft_dir, k):
+@pytest.fixture(scope="module")
+def plain_sampled(target_dir):
+    """Plain sampled decoding of PROMPTS[:3], each prompt alone (seed 7, top-p 0.95)."""
+    return run_alone(target_dir, PROMPTS[:3], SEEDED)
+
+
+SEEDED = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_draft_model_sampled_with_a_seed_equals_plain_sampled(target_dir, draft_dir, plain_sampled, k):
     """The drafter draws at the target's uniforms and verification keeps the target's own draws
     (rejection.py): a seeded sampled request emits plain decoding's tokens at any K, joining a
     running batch, with top-p, and drafts are kept."""
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k}
-    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
-    plain = run_alone(target_dir, PROMPTS[:3], params)
     engine = spec_engine(target_dir, spec)
-    assert run_staggered(engine, PROMPTS[:3], params) == plain
+    assert run_staggered(engine, PROMPTS[:3], SEEDED) == plain_sampled
     assert engine.stats()["spec"]["num_accepted_tokens"] > 0
 
 
@@ -353,5 +360,5 @@ def test_a_widened_cut_head_draws_sampled_drafts_on_its_ids(tiny_dir):
 
     _spy_drafts(engine, check)
     params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True, seed=0)
-    assert run_staggered(engine, PROMPTS, params) == run_alone(tied, PROMPTS, params)
+    assert run_staggered(engine, PROMPTS[:3], params) == run_alone(tied, PROMPTS[:3], params)
     assert beyond and any(beyond)
