@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import platform
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -94,3 +95,10 @@ def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: i
         )
         policies["per-request"] = lambda: GoodputK(profile, max_k, hysteresis_steps, per_request=True)
     return policies
+
+
+def free_port() -> int:
+    """A loopback port no one listens on now (for a server a benchmark or test starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -18,7 +18,6 @@ import asyncio
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dynaspec.bench.common import command_args, format_table, write_result
+from dynaspec.bench.common import command_args, format_table, free_port, write_result
 from dynaspec.bench.soak_traffic import (
     CHAT_VARIANTS,
     FALLBACK_CONTEXT,
@@ -125,12 +124,6 @@ class Check:
 
 
 # ---- the server ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -10,16 +9,11 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
+from dynaspec.bench.common import free_port
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.server.app import build_app
 from dynaspec.server.engine_loop import EngineLoop
 from dynaspec.server.middleware import GuardConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
