@@ -1,5 +1,5 @@
-"""Prompt sets: the bundled MT-Bench and HumanEval (and an editing set made from HumanEval's
-solutions), or any local JSON/JSONL/text file."""
+"""Prompt sets: the bundled MT-Bench, HumanEval (and an editing set made from HumanEval's
+solutions) and a slice of GSM8K's training split, or any local JSON/JSONL/text file."""
 
 from __future__ import annotations
 
@@ -7,13 +7,20 @@ import json
 from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-BUILTIN = {"mtbench": DATA_DIR / "mt_bench.jsonl", "humaneval": DATA_DIR / "humaneval.jsonl"}
+BUILTIN = {
+    "mtbench": DATA_DIR / "mt_bench.jsonl",
+    "humaneval": DATA_DIR / "humaneval.jsonl",
+    "gsm8k": DATA_DIR / "gsm8k_train.jsonl",  # the training split's first 512 problems, never its test split
+}
 
 Prompt = str | list[dict]  # plain text, or chat messages
 
 
 MIXED = "mixed"  # the two built-in sets interleaved: code and chat traffic in one stream
 CODEEDIT = "codeedit"  # edit a whole HumanEval function: the answer repeats most of the prompt
+MATH_INSTRUCTION = (
+    "Solve the following problem step by step. Give the final answer on the last line after '####'."
+)
 EDIT_INSTRUCTION = (
     "Add input validation to the following Python function: at its start, raise a TypeError for an "
     "argument of the wrong type and a ValueError for an invalid value. Keep everything else exactly as "
@@ -26,7 +33,8 @@ def load_prompts(spec: str, chat: bool = True) -> list[Prompt]:
 
     Files may be JSONL (one object per line), a JSON list, or plain text (one prompt per line).
     An object gives its prompt as ``messages`` (chat), ``prompt``, ``turns`` (first turn) or
-    ``text``. With ``chat``, plain prompts become a single user message.
+    ``text``, or as a math ``question`` (GSM8K's field: asked to be solved step by step). With
+    ``chat``, plain prompts become a single user message.
     """
     name = spec.lower().replace("-", "").replace("_", "")
     if name == MIXED:
@@ -83,10 +91,14 @@ def _prompt(item: object, path: Path, chat: bool, is_humaneval: bool) -> Prompt:
         text = item["prompt"]
         if is_humaneval and chat:
             text = f"Complete the following Python function. Reply with code only.\n\n```python\n{text}```"
+    elif isinstance(item, dict) and isinstance(item.get("question"), str):
+        text = (
+            f"{MATH_INSTRUCTION}\n\n{item['question']}" if chat else f"Question: {item['question']}\nAnswer:"
+        )
     elif isinstance(item, dict) and isinstance(item.get("turns"), list) and item["turns"]:
         text = item["turns"][0]
     elif isinstance(item, dict) and isinstance(item.get("text"), str):
         text = item["text"]
     else:
-        raise ValueError(f"dataset: {path}: an entry has none of messages, prompt, turns, text")
+        raise ValueError(f"dataset: {path}: an entry has none of messages, prompt, question, turns, text")
     return [{"role": "user", "content": text}] if chat else text

@@ -1,6 +1,6 @@
 """The built-in prompt sets: HumanEval, MT-Bench, their mix, and the code-editing set."""
 
-from dynaspec.datasets import EDIT_INSTRUCTION, load_prompts
+from dynaspec.datasets import EDIT_INSTRUCTION, MATH_INSTRUCTION, load_prompts
 
 
 def test_codeedit_shows_each_whole_humaneval_solution_and_asks_for_an_edit():
@@ -16,3 +16,13 @@ def test_codeedit_shows_each_whole_humaneval_solution_and_asks_for_an_edit():
 def test_mixed_alternates_code_and_chat():
     mixed, code, chat = load_prompts("mixed"), load_prompts("humaneval"), load_prompts("mtbench")
     assert mixed[:4] == [code[0], chat[0], code[1], chat[1]]
+
+
+def test_gsm8k_is_the_bundled_training_slice_asked_step_by_step():
+    chat, plain = load_prompts("gsm8k", chat=True), load_prompts("GSM8K", chat=False)
+    assert len(chat) == len(plain) == 512
+    (message,) = chat[0]
+    assert message["content"].startswith(MATH_INSTRUCTION)
+    assert "Natalia sold clips to 48 of her friends" in message["content"]  # train.jsonl's first problem
+    assert plain[0].startswith("Question: Natalia") and plain[0].endswith("\nAnswer:")
+    assert len(set(plain)) == 512

@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     src.add_argument(
         "--prompts-file",
         help="JSONL (prompt or messages field), JSON list, text lines, or a built-in set: mtbench, "
-        "humaneval, codeedit (edit a whole HumanEval function), mixed",
+        "humaneval, codeedit (edit a whole HumanEval function), mixed, gsm8k (math, training split)",
     )
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
