@@ -21,6 +21,8 @@ CODEEDIT = "codeedit"  # edit a whole HumanEval function: the answer repeats mos
 MATH_INSTRUCTION = (
     "Solve the following problem step by step. Give the final answer on the last line after '####'."
 )
+LONGEDIT = "longedit"  # codeedit's request after a module of other HumanEval solutions: >= 2,000 tokens
+LONG_EDIT_CHARS = 8000  # the module's length before the function to edit (about 2,000 tokens)
 EDIT_INSTRUCTION = (
     "Add input validation to the following Python function: at its start, raise a TypeError for an "
     "argument of the wrong type and a ValueError for an invalid value. Keep everything else exactly as "
@@ -42,6 +44,8 @@ def load_prompts(spec: str, chat: bool = True) -> list[Prompt]:
         return [p for pair in zip(code, chat_prompts) for p in pair]
     if name == CODEEDIT:
         return [_edit_prompt(item, chat) for item in _items(BUILTIN["humaneval"])]
+    if name == LONGEDIT:
+        return _long_edit_prompts(_items(BUILTIN["humaneval"]), chat)
     path = BUILTIN.get(name, Path(spec))
     if not path.is_file():
         raise ValueError(f"dataset: {spec!r} is neither a built-in set ({', '.join(BUILTIN)}) nor a file")
@@ -80,6 +84,25 @@ def _edit_prompt(item: dict, chat: bool) -> Prompt:
     """An editing request over a HumanEval problem's whole solution (prompt + canonical body)."""
     text = f"{EDIT_INSTRUCTION}\n\n```python\n{item['prompt']}{item['canonical_solution']}```"
     return [{"role": "user", "content": text}] if chat else text
+
+
+def _long_edit_prompts(items: list[dict], chat: bool) -> list[Prompt]:
+    """For each HumanEval problem: the solutions that follow it, run together into a module of at
+    least LONG_EDIT_CHARS characters, then codeedit's request over the problem's own function
+    (long-context traffic: the answer repeats a function the context holds)."""
+    prompts = []
+    for i, item in enumerate(items):
+        module, j = "", i + 1
+        while len(module) < LONG_EDIT_CHARS:
+            other = items[j % len(items)]
+            module += f"{other['prompt']}{other['canonical_solution']}\n\n"
+            j += 1
+        text = (
+            f"Here is a Python module:\n\n```python\n{module}```\n\n{EDIT_INSTRUCTION}\n\n"
+            f"```python\n{item['prompt']}{item['canonical_solution']}```"
+        )
+        prompts.append([{"role": "user", "content": text}] if chat else text)
+    return prompts
 
 
 def _prompt(item: object, path: Path, chat: bool, is_humaneval: bool) -> Prompt:

@@ -26,3 +26,11 @@ def test_gsm8k_is_the_bundled_training_slice_asked_step_by_step():
     assert "Natalia sold clips to 48 of her friends" in message["content"]  # train.jsonl's first problem
     assert plain[0].startswith("Question: Natalia") and plain[0].endswith("\nAnswer:")
     assert len(set(plain)) == 512
+
+
+def test_longedit_puts_a_2000_token_module_before_each_codeedit_request():
+    long, edits = load_prompts("longedit", chat=False), load_prompts("codeedit", chat=False)
+    assert len(long) == len(edits) == 164
+    assert all(len(p) > 8000 for p in long)
+    assert long[0].endswith(edits[0].removeprefix(EDIT_INSTRUCTION).lstrip()) and EDIT_INSTRUCTION in long[0]
+    assert long[0] != long[1] and "def " in long[0].split(EDIT_INSTRUCTION)[0]

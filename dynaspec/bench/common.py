@@ -75,14 +75,17 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-DYNAMIC_CONFIGS = ("goodput", "per-request")  # policies that choose K themselves (not a fixed K)
+# policies that choose K themselves (not a fixed K); "ctx-blind" is per-request on the profile
+# without its context axis (only where the profile has one)
+DYNAMIC_CONFIGS = ("goodput", "per-request", "ctx-blind")
 
 
 def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: int) -> dict[str, Any]:
     """The K policies benchmarks compare, by name, as factories (each run gets a fresh policy):
     ``K=<k>`` fixed; with a profile, ``table`` (its per-batch-size table), ``goodput`` (one K for
     the load, who drafts: the batch-level rule) and ``per-request`` (a K per request and confidence
-    stops tuned online: the engine's default with a profile)."""
+    stops tuned online: the engine's default with a profile), and with a profile that has a context
+    axis, ``ctx-blind`` (per-request without it)."""
     from dynaspec.kpolicy.goodput import GoodputK
     from dynaspec.kpolicy.policy import FixedK, TableK
 
@@ -94,7 +97,17 @@ def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: i
             profile, max_k, hysteresis_steps, per_request=False, min_confidence=0.0
         )
         policies["per-request"] = lambda: GoodputK(profile, max_k, hysteresis_steps, per_request=True)
+        if profile.context_tokens is not None and profile.context_stats:
+            blind = without_context_axis(profile)
+            policies["ctx-blind"] = lambda: GoodputK(blind, max_k, hysteresis_steps, per_request=True)
     return policies
+
+
+def without_context_axis(profile):
+    """The profile as a context-blind policy reads it (every step priced at the grid's contexts)."""
+    from dynaspec.kpolicy.profile import Profile
+
+    return Profile(**{**profile.__dict__, "context_stats": {}, "context_tokens": None, "context_cost": None})
 
 
 def free_port() -> int:

@@ -40,9 +40,10 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--policies",
-        default=",".join(("table", *DYNAMIC_CONFIGS)),
+        default="table,goodput,per-request",
         help="with a profile, which of its policies run: table, goodput (one K for the load), "
-        "per-request (a K per request: what an engine with a profile uses)",
+        "per-request (a K per request: what an engine with a profile uses), ctx-blind (per-request "
+        "without the profile's context axis)",
     )
     p.add_argument("--dataset", default="mtbench")
     p.add_argument("--num-prompts", type=int, default=64)

@@ -51,7 +51,8 @@ def add_parser(sub) -> None:
         "--configs",
         default=None,
         help="run only these configurations, comma-separated "
-        "(none, K=<k> from --fixed-ks, table, goodput, per-request); default all",
+        "(none, K=<k> from --fixed-ks, table, goodput, per-request, and ctx-blind with a profile that has a "
+        "context axis: per-request without it); default all",
     )
     p.add_argument(
         "--max-tokens", type=int, default=48, help="output cap per request (keeps the sweep short)"

@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
     src.add_argument(
         "--prompts-file",
         help="JSONL (prompt or messages field), JSON list, text lines, or a built-in set: mtbench, "
-        "humaneval, codeedit (edit a whole HumanEval function), mixed, gsm8k (math, training split)",
+        "humaneval, codeedit (edit a whole HumanEval function), longedit (the same after a 2,000-token "
+        "module), mixed, gsm8k (math, training split)",
     )
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")

@@ -38,18 +38,30 @@ def add_parser(sub) -> None:
         help="times a cell off its batch size's line in K is visited again (its new steps' median "
         "replaces its figure); 0: never",
     )
+    p.add_argument(
+        "--context-lengths",
+        default="4096",
+        help="the context axis: contexts per request (tokens, comma-separated) over which a few cells "
+        "are timed too (their prompts' prefill skipped), so the goodput policy prices long contexts; "
+        "'' for none",
+    )
+    p.add_argument(
+        "--context-batch-sizes", default="1,4,8", help="batch sizes timed over each of --context-lengths"
+    )
     p.add_argument("--output", required=True, help="profile JSON to write")
     p.add_argument("--plot", default=None, help="PNG of goodput per K against batch size")
     p.set_defaults(func=run)
 
 
-def _batch_sizes(text: str) -> list[int]:
+def _batch_sizes(text: str, flag: str = "--batch-sizes", allow_empty: bool = False) -> list[int]:
     try:
         sizes = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise ValueError(f"--batch-sizes: expected comma-separated integers, got {text!r}") from None
-    if not sizes or sizes[0] < 1:
-        raise ValueError("--batch-sizes: need at least one batch size >= 1")
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if (not sizes and not allow_empty) or (sizes and sizes[0] < 1):
+        raise ValueError(
+            f"{flag}: need at least one value >= 1" if not allow_empty else f"{flag}: values must be >= 1"
+        )
     return sizes
 
 
@@ -65,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if spec is None:
         raise ValueError("--speculative-config: profiling needs a speculative config (method, model, ...)")
     sizes = _batch_sizes(args.batch_sizes)
+    context_lengths = _batch_sizes(args.context_lengths, "--context-lengths", allow_empty=True)
+    context_sizes = _batch_sizes(args.context_batch_sizes, "--context-batch-sizes")
     max_k = args.max_k if args.max_k is not None else spec.num_speculative_tokens
     if not max_k or max_k < 1:
         raise ValueError("--max-k: must be >= 1")
@@ -88,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         measured_steps=args.measured_steps,
         rounds=args.rounds,
         revisits=args.revisits,
+        context_lengths=tuple(context_lengths),
+        context_batch_sizes=tuple(context_sizes),
     )
     meta = {
         "model": args.model,
@@ -103,6 +119,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"ITL ms by batch size (columns K = 0..{max_k}):")
     for bs, row in profile.batch_stats.items():
         print(f"  bs {bs:>3}: " + " ".join(f"{row[k]:8.1f}" for k in sorted(row)))
+    for context, grid in profile.context_stats.items():
+        print(f"ITL ms over {context}-token contexts (the grid's: {profile.context_tokens:.0f}):")
+        for bs, row in grid.items():
+            print(f"  bs {bs:>3}: " + "  ".join(f"K={k} {ms:8.1f}" for k, ms in sorted(row.items())))
+    if profile.context_cost is not None:
+        u, v = profile.context_cost
+        print(f"context cost: {u:.3f} ms per request + {v:.3f} per draft token, per 1,000 context tokens")
     print("num_speculative_tokens_per_batch_size:", json.dumps(profile.num_speculative_tokens_per_batch_size))
     if args.plot:
         plot_goodput(profile, args.plot)

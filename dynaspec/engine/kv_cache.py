@@ -71,3 +71,15 @@ def _cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     cache = torch.empty(shape, dtype=dtype, device=device)
     cache[0].zero_()
     return cache
+
+
+def fill_kv_noise(caches: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor) -> None:
+    """Write small random K/V at ``slots`` of every layer: context the profiler times attention over
+    without computing it. Never-written CPU pages read as one shared zero page, all in cache, so
+    they would time as free (``_cache``); noise costs what real K/V costs."""
+    generator = torch.Generator(device=caches[0][0].device).manual_seed(0)
+    for k, v in caches:
+        for cache in (k, v):
+            shape = (len(slots), *cache.shape[1:])
+            noise = torch.randn(shape, generator=generator, device=cache.device) * 0.5
+            cache[slots] = noise.to(cache.dtype)

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from dynaspec.datasets import load_prompts
 from dynaspec.engine.engine import AUTO_MAX_K, Engine
+from dynaspec.engine.kv_cache import fill_kv_noise
 from dynaspec.engine.types import DraftPass, StepTiming
 from dynaspec.kpolicy.config import SpeculativeConfig
 from dynaspec.kpolicy.cost import fit_timings
@@ -44,6 +45,7 @@ from dynaspec.kpolicy.policy import FixedK
 from dynaspec.kpolicy.profile import (
     Profile,
     checked_cost_model,
+    context_cost_of,
     derive_table,
     implausible_plain_steps,
     load_profile,
@@ -59,8 +61,8 @@ log = logging.getLogger(__name__)
 # cached profile of an earlier version is measured again), batch sizes 1-32 with 12 and 24;
 # 3 = the engine's step costs changed under it (blocked attention, logits memory reused); 4 = cells
 # visited in rotated order and outlying cells visited again; 5 = the first batch sizes timed
-# densely, the cost model fitted within the grid's bounds (issue 37)
-PROFILER_VERSION = 5
+# densely, the cost model fitted within the grid's bounds (issue 37); 6 = a context axis (issue 40)
+PROFILER_VERSION = 6
 
 
 @dataclass(slots=True)
@@ -85,6 +87,12 @@ class ProfileSettings:
     # once the grid has taken this long, the batch sizes not yet begun are left out (the policy
     # extends the grid along its last slope); the first MIN_BATCH_SIZES are always measured
     time_budget_s: float | None = None
+    # the context axis (``measure_context_itl``): contexts per request (tokens) to time a few cells
+    # over, at these batch sizes and Ks (default 0, max_k / 2 and max_k); () for none
+    context_lengths: tuple[int, ...] = ()
+    context_batch_sizes: tuple[int, ...] = (1, 4, 8)
+    context_ks: tuple[int, ...] = ()
+    context_rounds: int = 2
 
 
 def measure_acceptance(
@@ -114,6 +122,7 @@ def measure_acceptance(
 REVISIT_TOLERANCE = 0.10  # a cell this far off its batch size's line in K is visited again
 MIN_BATCH_SIZES = 3  # batch sizes a time budget never leaves out
 AUTO_TIME_BUDGET_S = 150.0  # the quick profile's ITL grid (the whole profile: ~1 min on the AVX-512 EPYC)
+AUTO_CONTEXT_TOKENS = 4096  # the quick profile's long context (the grid's is a few hundred tokens)
 
 
 def visit_order(ks: list[int], rounds: int) -> list[list[int]]:
@@ -163,8 +172,10 @@ def measure_itl(
     progress: bool = True,
     timings: list | None = None,
     revisited: dict[int, list[int]] | None = None,
+    contexts: list[float] | None = None,
 ) -> dict[int, dict[int, float]]:
-    """Median step time in ms for each batch size and K = 0..max_k, K interleaved in rounds.
+    """Median step time in ms for each batch size and K = 0..max_k, K interleaved in rounds; each
+    timed step's mean context per request goes into ``contexts`` (the grid's, for its context axis).
 
     After its rounds, a batch size's outlying cells (``outlying_cells``) are visited again, up to
     ``settings.revisits`` times, and such a cell's figure is the median of its new steps alone
@@ -181,14 +192,7 @@ def measure_itl(
     visits = sum(len(ks) * _rounds(settings, i) for i in range(len(settings.batch_sizes)))
 
     def visit(k: int, measured_steps: int) -> list[float]:
-        timed = []
-        with _fixed_k(engine, k):
-            for step in range(settings.warmup_steps + measured_steps):
-                start = time.perf_counter()
-                engine.step()
-                if step >= settings.warmup_steps:
-                    timed.append((time.perf_counter() - start) * 1000)
-        return timed
+        return _visit(engine, k, settings.warmup_steps, measured_steps, contexts)
 
     began = time.perf_counter()
     with (
@@ -245,6 +249,120 @@ def measure_itl(
     return batch_stats
 
 
+def _visit(
+    engine: Engine, k: int, warmup_steps: int, measured_steps: int, contexts: list | None
+) -> list[float]:
+    """One visit of a cell: ``warmup_steps`` untimed steps at K, then the timed ones (ms)."""
+    timed = []
+    with _fixed_k(engine, k):
+        for step in range(warmup_steps + measured_steps):
+            start = time.perf_counter()
+            engine.step()
+            if step >= warmup_steps:
+                timed.append((time.perf_counter() - start) * 1000)
+                if contexts is not None:
+                    running = engine.scheduler.running
+                    contexts.append(sum(r.num_tokens for r in running) / max(1, len(running)))
+    return timed
+
+
+KEEP_PREFILLED = 16  # of a long context, the prompt tokens really prefilled (the rest are assumed read)
+
+
+def measure_context_itl(
+    engine: Engine, prompts: list, settings: ProfileSettings, progress: bool = True
+) -> dict[int, dict[int, dict[int, float]]]:
+    """ITL(bs, K) over long contexts: context -> bs -> K -> median ms, for ``settings.context_lengths``
+    at ``context_batch_sizes`` and ``context_ks``, K interleaved in ``context_rounds`` rounds.
+
+    Prefilling bs prompts of thousands of tokens would take minutes on a CPU, and only the step
+    after it is timed. So each request's prompt (dataset prompts run together up to the length)
+    has all but its last KEEP_PREFILLED tokens taken as computed (``Scheduler.admit_computed``),
+    their K/V (the target's and a draft model's) filled with noise, which attention reads as
+    it reads real K/V; the last tokens are prefilled and decoding starts from there. A context
+    or batch size that does not fit the model's length or the KV cache is left out, with a notice;
+    so are the batch sizes not begun once the cells have taken half the grid's time budget."""
+    out: dict[int, dict[int, dict[int, float]]] = {}
+    ks = sorted(set(settings.context_ks or (0, (settings.max_k + 1) // 2, settings.max_k)))
+    steps = settings.warmup_steps + settings.measured_steps
+    budget = settings.context_rounds * len(ks) * steps * (settings.max_k + 1) + 8
+    ids = [engine.prompt_token_ids(p) for p in prompts]
+    capacity = engine.allocator.num_free * engine.allocator.block_size
+    cells = [
+        (length, bs)
+        for length in settings.context_lengths
+        for bs in settings.context_batch_sizes
+        if bs <= engine.config.max_num_seqs
+    ]
+    fits = [
+        (length, bs)
+        for length, bs in cells
+        if length + budget < engine.max_model_len
+        and bs * (length + budget + engine.allocator.block_size) < capacity
+    ]
+    if len(fits) < len(cells):
+        log.warning(
+            "dynaspec: profile: contexts x batch sizes %s do not fit the model's length (%d) or the KV "
+            "cache (%d tokens); left out",
+            sorted(set(cells) - set(fits)),
+            engine.max_model_len,
+            capacity,
+        )
+    cutoff = None if settings.time_budget_s is None else settings.time_budget_s / 2
+    began = time.perf_counter()
+    params = SamplingParams(max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0)
+    with (
+        tqdm(
+            total=len(fits) * len(ks) * settings.context_rounds,
+            desc="ITL over long contexts",
+            unit="visit",
+            disable=not progress,
+        ) as bar,
+        filled_drafts(engine),
+    ):
+        for n, (length, bs) in enumerate(fits):
+            if n and cutoff is not None and time.perf_counter() - began > cutoff:
+                log.warning(
+                    "dynaspec: profile: long-context cells took half the time budget; %s left out", fits[n:]
+                )
+                break
+            requests = [_long_context_request(engine, ids, length, i, params) for i in range(bs)]
+            with _fixed_k(engine, 0):
+                while not all(r.is_decoding for r in requests):
+                    engine.step()
+            times: dict[int, list[float]] = {k: [] for k in ks}
+            for order in visit_order(ks, settings.context_rounds):
+                for k in order:
+                    times[k].extend(_visit(engine, k, settings.warmup_steps, settings.measured_steps, None))
+                    bar.update(1)
+            out.setdefault(length, {})[bs] = {k: round(statistics.median(t), 3) for k, t in times.items()}
+            for r in requests:
+                engine.abort(r.request_id)
+    return out
+
+
+def _long_context_request(
+    engine: Engine, ids: list[list[int]], length: int, index: int, params: SamplingParams
+):
+    """A request of ``length`` prompt tokens (prompts run together, each request from another
+    start), all but the last KEEP_PREFILLED assumed read, their K/V noise."""
+    tokens: list[int] = []
+    i = index
+    while len(tokens) < length:
+        tokens += ids[i % len(ids)]
+        i += 1
+    request = engine.add_request(tokens[:length], params)
+    skipped = length - KEEP_PREFILLED
+    if not engine.scheduler.admit_computed(request, skipped):
+        raise RuntimeError("profile: the KV cache has no room for a long context")
+    size = engine.allocator.block_size
+    positions = torch.arange(skipped)
+    slots = torch.tensor(request.block_ids)[positions // size] * size + positions % size
+    fill_kv_noise(engine.runner.kv_caches, slots)
+    engine.proposer.assume_read(request, skipped, slots)
+    return request
+
+
 def _rounds(settings: ProfileSettings, index: int) -> int:
     """Visits of every K at the index-th batch size (more for the first, dense ones)."""
     dense = index < settings.dense_batch_sizes
@@ -294,10 +412,26 @@ def run_profile(
     profile in the notice given when its cost model contradicts its grid (``checked_cost_model``:
     the profile then has no ``cost_model`` and the policy prices passes from the grid)."""
     timings: list[StepTiming] = []
+    seconds: dict[str, float] = {}  # what each part took
+    clock = time.perf_counter()
+
+    def lap(part: str) -> None:
+        nonlocal clock
+        seconds[part] = round(time.perf_counter() - clock, 1)
+        clock = time.perf_counter()
+
     alpha = measure_acceptance(engine, prompts, settings, progress, timings)
+    lap("acceptance")
     revisited: dict[int, list[int]] = {}
-    batch_stats = measure_itl(engine, prompts, settings, progress, timings, revisited)
+    contexts: list[float] = []
+    batch_stats = measure_itl(engine, prompts, settings, progress, timings, revisited, contexts)
+    lap("grid")
     measure_catchup(engine, prompts, settings, timings)
+    lap("catchup")
+    context_stats = (
+        measure_context_itl(engine, prompts, settings, progress) if settings.context_lengths else {}
+    )
+    lap("context")
     profile = Profile(
         max_num_speculative_tokens=settings.max_k,
         acceptance_rate_per_pos=[round(a, 4) for a in alpha],
@@ -306,6 +440,8 @@ def run_profile(
             alpha, batch_stats, settings.max_k, engine.config.max_num_seqs
         ),
         cost_model=fit_timings(timings, smooth_itl(batch_stats)),
+        context_tokens=round(statistics.mean(contexts), 1) if contexts and context_stats else None,
+        context_stats=context_stats,
         meta={
             **meta,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -314,6 +450,7 @@ def run_profile(
             "cpu": cpu_name(),
             "threads": torch.get_num_threads(),
             "platform": platform.platform(),
+            "seconds": seconds,
             "settings": {
                 "batch_sizes": settings.batch_sizes,
                 "warmup_steps": settings.warmup_steps,
@@ -328,10 +465,14 @@ def run_profile(
                 "acceptance_prompts": settings.num_acceptance_prompts,
                 "acceptance_max_tokens": settings.acceptance_max_tokens,
                 "temperature": settings.temperature,
+                "context_lengths": list(settings.context_lengths),
+                "context_batch_sizes": list(settings.context_batch_sizes),
+                "context_rounds": settings.context_rounds,
             },
         },
     )
     profile.cost_model = checked_cost_model(profile, name)
+    profile.context_cost = context_cost_of(profile)
     return profile
 
 
@@ -381,7 +522,11 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
     timed passes): they are the cheapest cells (about 15 s more on the AVX-512 EPYC, taken from the
     same budget) and the ones the cost model's fit and the policy's closest calls rest on. With two
     steps a cell and one round, a quick draft-pair grid fitted a drafter pass of 75 ms with a negative
-    slope per row where its grid showed ~10 ms, and the policy never drafted (issue 37)."""
+    slope per row where its grid showed ~10 ms, and the policy never drafted (issue 37).
+
+    The context axis: batch sizes 1, 4 and 8 at K = 0, max_k / 2 and max_k over contexts of
+    AUTO_CONTEXT_TOKENS a request, two rounds (``measure_context_itl``: no prefill of the long
+    prompts), within half the grid's budget."""
     return ProfileSettings(
         batch_sizes=[b for b in (1, 2, 4, 8, 12, 16, 24, 32) if b <= max_num_seqs] or [1],
         max_k=max_k,
@@ -396,6 +541,8 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
         catchup_rows=(1, 2),
         catchup_repeats=2,
         time_budget_s=AUTO_TIME_BUDGET_S,
+        context_lengths=(AUTO_CONTEXT_TOKENS,),
+        context_batch_sizes=tuple(b for b in (1, 4, 8) if b <= max_num_seqs) or (1,),
     )
 
 

@@ -57,6 +57,20 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def admit_computed(self, request: Request, num_tokens: int) -> bool:
+        """Run a waiting request as if its first ``num_tokens`` prompt tokens were computed (their
+        K/V is whatever their blocks hold; the caller fills it): the profiler times steps over long
+        contexts without prefilling them. False (nothing changed) where the blocks are not free."""
+        if request not in self.waiting or not 0 <= num_tokens < request.num_tokens:
+            raise ValueError("admit_computed: a waiting request and fewer tokens than its prompt")
+        if not self.allocator.grow(request.block_ids, num_tokens):
+            return False
+        self.waiting.remove(request)
+        request.num_computed_tokens = num_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True
+
     def abort(self, request_id: str) -> Request | None:
         for queue in (self.running, self.waiting):
             for r in queue:
@@ -141,6 +155,7 @@ class Scheduler:
                 max_tokens=r.params.max_tokens,
                 decoding=r.is_decoding,
                 request_id=r.request_id,
+                context_tokens=r.num_tokens,
             )
             for r in load
         ]

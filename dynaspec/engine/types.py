@@ -151,6 +151,8 @@ class StepTiming:
     prefill_tokens: int
     target_ms: float
     draft_passes: list[DraftPass] = field(default_factory=list)
+    decode_rows: int = 0  # decodes verified (requests, not tokens)
+    context_tokens: int = 0  # their contexts' tokens together (what their attention reads)
 
     @classmethod
     def of(
@@ -161,6 +163,8 @@ class StepTiming:
             prefill_tokens=sum(c.num_tokens for c in plan.prefills),
             target_ms=target_ms,
             draft_passes=list(draft_passes),
+            decode_rows=plan.num_decodes,
+            context_tokens=sum(r.num_tokens for r in plan.decodes),
         )
 
 
@@ -188,6 +192,7 @@ class DraftCandidate:
         True  # False while its prompt is being prefilled (or it waits): it counts, cannot draft yet
     )
     request_id: str = ""  # whose acceptance history applies (per-request K)
+    context_tokens: int = 0  # its context (prompt and output so far): what its rows' attention reads
 
     def catchup_owed(self) -> float:
         """Catch-up tokens the request still owes the drafter, per token it may still generate."""

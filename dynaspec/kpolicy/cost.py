@@ -33,10 +33,14 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dynaspec.engine.types import StepTiming
+
+if TYPE_CHECKING:
+    from dynaspec.kpolicy.context import ContextCost
 
 TARGET_FEATURES = ("step", "verify_tokens", "prefill_tokens")
 DRAFT_FEATURES = ("pass", "rows", "extra_tokens")
@@ -78,6 +82,7 @@ class StepCostModel:
         prior_weight: float = 8.0,
         decay: float = 0.98,
         shared_scale: bool = False,
+        context: ContextCost | None = None,
     ) -> None:
         self.target_coef = np.asarray(target_prior, dtype=np.float64)
         self.draft_coef = np.asarray(draft_prior, dtype=np.float64)
@@ -85,9 +90,17 @@ class StepCostModel:
         self.draft_scale = LiveScale(prior_weight, decay)
         # one scale for every pass, of the step's passes together (a model priced from the grid)
         self.shared_scale = shared_scale
+        # the profile's context axis: what a step's contexts add, beyond the grid's, to its target
+        # pass (all of it, the drafter's attention included), so that long contexts read as
+        # longer contexts, not as a slower machine
+        self.context = context
 
     def observe(self, timing: StepTiming) -> None:
         target_ms = _predict(self.target_coef, (1.0, timing.verify_tokens, timing.prefill_tokens))
+        if self.context is not None and timing.decode_rows:
+            rows = timing.decode_rows
+            drafts = (timing.verify_tokens - rows) / rows
+            target_ms = self.context.itl(target_ms, rows, timing.context_tokens / rows, drafts)
         passes = [
             (ms, _predict(self.draft_coef, (1.0, rows, extra))) for rows, extra, ms in timing.draft_passes
         ]

@@ -24,6 +24,7 @@ from dynaspec.kpolicy.profile import (
     Profile,
     acceptance_length,
     checked_cost_model,
+    context_model,
     interpolate_itl,
     smooth_itl,
 )
@@ -182,12 +183,20 @@ class GoodputK:
         self.acceptance = AcceptanceEstimate(profile.acceptance_rate_per_pos, self.max_k, **estimate_kwargs)
         self.hysteresis = Hysteresis(hysteresis_steps)
         self.k_by_batch_size: dict[int, int] = {}
+        # the profile's context axis (None without one): steps over longer contexts than the
+        # grid's cost more, the more so the more they draft
+        self.context_cost = context_model(profile)
+        self.context: float | None = None  # the mean context per request of the last choice's load
         if cost_model is None:
             checked = checked_cost_model(profile, source)
             if checked is not None:
-                cost_model = StepCostModel(checked["target_ms"], checked["draft_pass_ms"])
+                cost_model = StepCostModel(
+                    checked["target_ms"], checked["draft_pass_ms"], context=self.context_cost
+                )
             else:  # priced from the grid: its intercept holds the step overhead, so one live scale
-                cost_model = StepCostModel(*prior_from_grid(self.itl_grid), shared_scale=True)
+                cost_model = StepCostModel(
+                    *prior_from_grid(self.itl_grid), shared_scale=True, context=self.context_cost
+                )
         self.costs = cost_model
         self.per_request = per_request
         self.requests = RequestAcceptance()
@@ -199,16 +208,24 @@ class GoodputK:
         self.num_withheld = 0  # request-steps kept from drafting because their catch-up would not pay
 
     def itl(self, batch_size: int, k: int) -> float | None:
-        """ITL(bs, K) in ms: the profile's, times the live drift; the cost model's alone off the grid."""
+        """ITL(bs, K) in ms over the load's mean context (``self.context``): the profile's, moved
+        along its context axis, times the live drift; the cost model's alone off the grid."""
         base = interpolate_itl(self.itl_grid, batch_size, k)
         if base is None:
-            model = self.costs.itl(batch_size, k)
+            model = self._at_context(self.costs.itl(batch_size, k), batch_size, k)
             return model if model > 0 else None
-        return base * self.costs.drift(batch_size, k)
+        return self._at_context(base, batch_size, k) * self.costs.drift(batch_size, k)
 
-    def k_for_batch(self, batch_size: int) -> int:
-        """K for a batch whose drafter is caught up everywhere."""
-        return self._choose([DraftCandidate(1, 1 << 30)] * batch_size, explore=False)[0]
+    def _at_context(self, ms: float, batch_size: int, k: int) -> float:
+        if self.context_cost is None or ms <= 0:
+            return ms
+        return self.context_cost.itl(ms, batch_size, self.context, k)
+
+    def k_for_batch(self, batch_size: int, context: int = 0) -> int:
+        """K for a batch whose drafter is caught up everywhere (each request's context ``context``
+        tokens; 0: the profile's grid's)."""
+        load = [DraftCandidate(1, 1 << 30, context_tokens=context)] * batch_size
+        return self._choose(load, explore=False)[0]
 
     def choose(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
         return self._choose(candidates, explore=True)
@@ -217,6 +234,8 @@ class GoodputK:
         bs = self.load = len(candidates)
         if bs == 0:
             return 0, []
+        context = sum(c.context_tokens for c in candidates)
+        self.context = context / bs if context > 0 else None
         alpha = self.acceptance.rates()
         per_token = self.costs.catchup_ms_per_token()
         if self.per_request:
@@ -369,6 +388,14 @@ class GoodputK:
             "min_draft_confidence": round(self.min_draft_confidence(), 3),
             "acceptance_by_confidence": self.calibration.snapshot(),
             "cost_model": self.costs.snapshot(),
+            "context_tokens": None if self.context is None else round(self.context, 1),
+            "context_cost": None
+            if self.context_cost is None
+            else {
+                "reference_tokens": self.context_cost.reference,
+                "ms_per_row_per_1k_tokens": self.context_cost.per_row,
+                "ms_per_row_per_draft_per_1k_tokens": self.context_cost.per_draft,
+            },
         }
 
 

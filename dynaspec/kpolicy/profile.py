@@ -6,6 +6,9 @@
  "batch_stats": {"1": {"0": 205.1, "1": 260.3, ...}, "2": {...}},
  "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 8, 2], [9, 32, 0]],
  "cost_model": {"target_ms": [a, b, c], "draft_pass_ms": [d, e, f]},
+ "context_tokens": 310.5,
+ "context_stats": {"4096": {"1": {"0": 31.0, "5": 80.2}, "8": {...}}},
+ "context_cost": [u, v],
  "meta": {"model": ..., "cpu": ..., "torch": ..., "date": ...}}
 ```
 ``batch_stats`` holds ITL(bs, K), the median engine step time in milliseconds. ``cost_model``
@@ -13,6 +16,10 @@
 ``dynaspec.kpolicy.cost``): target ms = a + b*verify_tokens + c*prefill_tokens, drafter pass ms =
 d + e*rows + f*catch-up tokens. A model that contradicts the grid it came with is repaired or
 dropped on load (``checked_cost_model``): the grid is what was measured.
+
+The context axis (optional, ``kpolicy.context``): ``context_tokens`` is the grid's mean context per
+request, ``context_stats`` ITL(bs, K) cells timed over longer contexts (context -> bs -> K -> ms),
+and ``context_cost`` = [u, v] what context adds to a step, fitted on them on load when absent.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
+from dynaspec.kpolicy.context import ContextCost, fit_context_cost
 from dynaspec.kpolicy.cost import FIT_TOLERANCE, FIT_TOLERANCE_MS, GridBounds, grid_misfit
 
 log = logging.getLogger(__name__)
@@ -44,7 +52,20 @@ class Profile:
     ]
     num_speculative_tokens_per_batch_size: list[list[int]] = field(default_factory=list)
     cost_model: dict[str, list[float]] | None = None  # {"target_ms": [a, b, c], "draft_pass_ms": [d, e, f]}
+    context_tokens: Annotated[float, Field(gt=0)] | None = None  # the grid's mean context per request
+    context_stats: dict[
+        Annotated[int, Field(ge=1)],
+        dict[Annotated[int, Field(ge=1)], dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=0)]]],
+    ] = field(default_factory=dict)
+    context_cost: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = None  # [u, v]
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @field_validator("context_cost")
+    @classmethod
+    def _context_cost(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and len(value) != 2:
+            raise ValueError("must be [ms per row, ms per row per draft token], per 1,000 context tokens")
+        return value
 
     @field_validator("cost_model")
     @classmethod
@@ -64,8 +85,15 @@ class Profile:
             str(bs): {str(k): t for k, t in sorted(row.items())}
             for bs, row in sorted(self.batch_stats.items())
         }
-        if d["cost_model"] is None:
-            del d["cost_model"]
+        d["context_stats"] = {
+            str(c): {str(bs): {str(k): t for k, t in sorted(row.items())} for bs, row in sorted(grid.items())}
+            for c, grid in sorted(self.context_stats.items())
+        }
+        for key in ("cost_model", "context_tokens", "context_cost"):
+            if d[key] is None:
+                del d[key]
+        if not d["context_stats"]:
+            del d["context_stats"]
         return d
 
 
@@ -94,7 +122,29 @@ def load_profile(path: str | Path) -> Profile:
     except TypeError as e:  # a required field missing
         raise ValueError(f"profile {path}: {e}") from None
     profile.cost_model = checked_cost_model(profile, str(path))
+    if profile.context_cost is None:
+        profile.context_cost = context_cost_of(profile)
     return profile
+
+
+def context_model(profile: Profile) -> ContextCost | None:
+    """The profile's context axis as the policy prices it (its ``context_cost``, or one fitted on
+    its long-context cells); None without one."""
+    coefficients = profile.context_cost if profile.context_cost is not None else context_cost_of(profile)
+    if profile.context_tokens is None or coefficients is None:
+        return None
+    return ContextCost(float(profile.context_tokens), *map(float, coefficients))
+
+
+def context_cost_of(profile: Profile) -> list[float] | None:
+    """[u, v] fitted on the profile's long-context cells against its smoothed grid
+    (``kpolicy.context``); None without a context axis."""
+    if profile.context_tokens is None or not profile.context_stats or not profile.batch_stats:
+        return None
+    grid = smooth_itl(profile.batch_stats)
+    return fit_context_cost(
+        lambda bs, k: interpolate_itl(grid, bs, k), profile.context_stats, profile.context_tokens
+    )
 
 
 def checked_cost_model(profile: Profile, name: str) -> dict[str, list[float]] | None:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dynaspec.engine.kv_cache import kv_bytes_per_token
+from dynaspec.engine.kv_cache import fill_kv_noise, kv_bytes_per_token
 from dynaspec.engine.runner import ModelRunner, StaticChain, TokenRun
 from dynaspec.engine.sampler import (
     SamplingTensors,
@@ -339,6 +339,12 @@ class DraftModelProposer(Proposer):
             # The drafter holds the real tokens and the drafts it was fed; accepted ones stay valid.
             self.num_computed[r.request_id] = r.num_tokens + min(accepted, fed)
         self.fed_drafts = {}
+
+    def assume_read(self, request, num_tokens: int, slots: torch.Tensor) -> None:
+        if self.runner is not None:
+            fill_kv_noise(self.runner.kv_caches, slots)
+        self.num_computed[request.request_id] = num_tokens
+        self.shift.pop(request.request_id, None)
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -76,6 +76,11 @@ class Proposer:
     def release(self, request_ids: list[str]) -> None:
         """Forget requests that finished or were preempted."""
 
+    def assume_read(self, request: Request, num_tokens: int, slots: torch.Tensor) -> None:
+        """Take the first ``num_tokens`` of ``request`` as read, without reading them, their K/V at
+        ``slots`` filled with noise (``fill_kv_noise``): the profiler's long contexts, whose
+        prefill it skips (``Scheduler.admit_computed``)."""
+
     def reset(self) -> None:
         """Forget what earlier requests taught it (a benchmark's configurations then start alike);
         called with no request running."""
