@@ -4,11 +4,16 @@ sequences from a small vocabulary with repeated phrases, as code and rollouts re
 
     .venv/bin/python benchmarks/probes/suffix_cost.py                        # ~1M cached tokens
     .venv/bin/python benchmarks/probes/suffix_cost.py --requests 10000 --output-tokens 150
+
+It prints the cache it filled, then one JSON line of the figures (also written to ``--json PATH``).
 """
 
 import argparse
+import json
 import random
+import resource
 import time
+from pathlib import Path
 
 from dynaspec.spec_decode.suffix_tree import SuffixIndex
 
@@ -30,6 +35,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--live", type=int, default=32, help="live requests drafted for, token by token")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--json", type=Path, help="also write the results' JSON line here")
     args = ap.parse_args()
     rng = random.Random(0)
     phrases = [[rng.randrange(32000) for _ in range(rng.randint(3, 12))] for _ in range(400)]
@@ -40,8 +46,8 @@ def main() -> None:
         index.add(("done", i), prompts[i % len(prompts)], sequence(rng, phrases, args.output_tokens))
         index.finish(("done", i))
     fill_s = time.perf_counter() - start
-    stats = index.stats()
-    print(f"cache: {stats} filled in {fill_s:.1f} s")
+    filled = index.stats()
+    print(f"cache: {filled} filled in {fill_s:.1f} s")
     live = [("live", j) for j in range(args.live)]
     texts = [sequence(rng, phrases, args.steps + 1) for _ in live]
     for key, j in zip(live, range(args.live)):
@@ -58,11 +64,27 @@ def main() -> None:
             drafting += t2 - t1
             calls += 1
             drafted += len(spec.tokens)
-    print(
-        f"a request a step at K={args.k}: update {1e3 * updating / calls:.4f} ms + speculate "
-        f"{1e3 * drafting / calls:.4f} ms ({calls} calls, {drafted / calls:.2f} tokens drafted a call)"
-    )
-    print(f"cache after: {index.stats()['cached_tokens']} tokens (budget {args.budget})")
+    after = index.stats()
+    result = {
+        "requests": args.requests,
+        "output_tokens": args.output_tokens,
+        "k": args.k,
+        "calls": calls,
+        "ms_update": round(1e3 * updating / calls, 4),
+        "ms_speculate": round(1e3 * drafting / calls, 4),
+        "ms_total": round(1e3 * (updating + drafting) / calls, 4),
+        "drafted_per_call": round(drafted / calls, 3),
+        "cached_tokens": after["cached_tokens"],
+        "budget": args.budget,
+        "fill_s": round(fill_s, 1),
+        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+        "stats_filled": filled,
+        "stats_after": after,
+    }
+    line = json.dumps(result)
+    print(line)
+    if args.json:
+        args.json.write_text(line + "\n")
 
 
 if __name__ == "__main__":

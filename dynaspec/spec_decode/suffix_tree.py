@@ -11,7 +11,8 @@ A sequence drafts from the tree it is in: its longest suffix that occurred befor
 continuation (at most ``max_depth - max_tokens`` long: the depth bounds match plus draft) is
 continued by the most frequent child at each step, each token's probability its frequency over its
 parent's, while the product stays at least ``min_token_prob`` and for at most ``max_spec_factor``
-times the match length.
+times the match length. Each branch keeps its most frequent child as the counts change, so that a
+draft costs its length whatever the number of children.
 
 ``SuffixIndex`` is what the suffix proposer keeps: a tree per live request over its prompt and
 output, and one shared tree over the outputs (each after its prompt's last tokens) of live requests
@@ -27,13 +28,21 @@ from dataclasses import dataclass
 
 
 class _Node:
-    """A substring seen ``count`` times; its children are keyed by the token that follows."""
+    """A substring seen ``count`` times; its children are keyed by the token that follows.
 
-    __slots__ = ("children", "count")
+    ``best`` is the token of its most frequent child, the first inserted among equals (what ``max``
+    over ``children`` picks), kept as counts change so that drafting never scans the children; it
+    is ``None`` where not known (recounted when a draft needs it), with no child, and at the root
+    (whose children never begin a draft). ``lead``: at most how many more occurrences the best has
+    than any other child (and than 1), so that it stays the best as it loses up to ``lead - 1``."""
+
+    __slots__ = ("best", "children", "count", "lead")
 
     def __init__(self, count: int) -> None:
         self.count = count
         self.children: dict[int, _Node | _Leaf] = {}
+        self.best: int | None = None
+        self.lead = 0
 
 
 class _Leaf:
@@ -90,22 +99,20 @@ class SuffixTree:
     def extend(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """Append tokens to a sequence: each adds the suffixes ending at it (O(max_depth))."""
         seq = self._seqs[seq_id]
+        seen, opened = seq.tokens, seq.open
         for t in tokens:
-            i = len(seq.tokens)
-            seq.tokens.append(t)
-            opened = seq.open
+            i = len(seen)
+            seen.append(t)
             # a suffix seen once ends in its own leaf, which reads t in place; a longer suffix is
             # then seen once too, so those leaves lead the list and only the rest take a step
             shared = len(opened)
             while shared and not (type(at := opened[shared - 1]) is _Leaf and at.node is None):
                 shared -= 1
-            stepped = opened[shared:]
-            stepped.append(self.root)
-            depth = len(stepped) - 1  # of tokens[i - depth : i], oldest start first
-            for j, at in enumerate(stepped):
-                stepped[j] = self._step(at, t, seq.tokens, i - depth + j, depth - j)
-            del opened[shared:]
-            opened += stepped
+            depth = len(opened) - shared  # of the oldest suffix that steps, tokens[i - depth : i]
+            for j in range(shared, len(opened)):
+                opened[j] = self._step(opened[j], t, seen, i - depth, depth)
+                depth -= 1
+            opened.append(self._step(self.root, t, seen, i, 0))
             if len(opened) == self.max_depth:  # the oldest suffix reached the depth: no more steps
                 del opened[0]
         self.num_tokens += len(tokens)
@@ -114,24 +121,48 @@ class SuffixTree:
         """Where tokens[start : start + depth] followed by ``t`` ends, from where it ended before."""
         if type(at) is _Leaf:  # a branch reached the end of its own leaf
             at = at.node
-        child = at.children.get(t)
-        if child is None:
+        children = at.children
+        child = children.get(t)
+        if child is None:  # a last child, seen once: the best only if it is the only one
+            if not children and at is not self.root:
+                at.best = t
+                at.lead = 0
             leaf = _Leaf(tokens, start, depth)
-            at.children[t] = leaf
+            children[t] = leaf
             return leaf
         if type(child) is _Node:
-            child.count += 1
-            return child
-        branch = _Node(2)  # another occurrence's leaf: they part below here
-        at.children[t] = branch
-        self.num_nodes += 1
-        nxt = child.start + depth + 1
-        if depth + 1 < self.max_depth and nxt < len(child.tokens):
-            child.depth = depth + 1
-            branch.children[child.tokens[nxt]] = child
-        else:
-            child.node = branch
-        return branch
+            count = child.count = child.count + 1
+        else:  # another occurrence's leaf: they part below here
+            count = 2
+            branch = _Node(2)
+            children[t] = branch  # in the leaf's place among the children
+            self.num_nodes += 1
+            nxt = child.start + depth + 1
+            if depth + 1 < self.max_depth and nxt < len(child.tokens):
+                child.depth = depth + 1
+                branch.children[child.tokens[nxt]] = child
+                branch.best = child.tokens[nxt]
+            else:
+                child.node = branch
+            child = branch
+        best = at.best
+        if best == t:
+            at.lead += 1
+        elif best is not None:  # t's child gained one: it may pass the best or equal it
+            other = children[best]
+            top = other.count if type(other) is _Node else 1
+            if count > top:
+                at.best = t
+                at.lead = 1
+            elif count < top:
+                at.lead = min(at.lead, top - count)
+            else:  # equals: the first inserted leads
+                at.lead = 0
+                for key in children:
+                    if key in (t, best):
+                        at.best = key
+                        break
+        return child
 
     def remove(self, seq_id: Hashable) -> None:
         """Forget a sequence: its occurrences leave every count, and nodes left with none go."""
@@ -144,12 +175,18 @@ class SuffixTree:
                 if type(child) is _Leaf:
                     assert child.tokens is tokens and child.start == start
                     del node.children[t]
+                    if node.best == t:
+                        _best_lost(node, 0)
                     break
                 child.count -= 1
                 if child.count == 0:
                     del node.children[t]
                     self.num_nodes -= _count_nodes(child)
+                    if node.best == t:
+                        _best_lost(node, 0)
                     break
+                if node.best == t:
+                    _best_lost(node, child.count)
                 node = child
         self.num_tokens -= len(tokens)
 
@@ -176,14 +213,17 @@ class SuffixTree:
     ) -> Speculation:
         """Up to ``max_tokens`` that most often followed the longest suffix of the sequence seen
         before, while their cumulative probability is at least ``min_token_prob``."""
-        seq = self._seqs[seq_id]
+        opened = self._seqs[seq_id].open
         max_match = max(1, self.max_depth - max_tokens)
-        n = len(seq.open)
+        n = len(opened)
         for j in range(max(0, n - max_match), n):  # longest suffix first
-            at = seq.open[j]
-            node = at.node if type(at) is _Leaf else at
-            if node is not None and node.children:
-                return self._continue(node, n - j, max_tokens, max_spec_factor, min_token_prob)
+            at = opened[j]
+            if type(at) is _Leaf:  # seen once, unless a branch reached its end since
+                at = at.node
+                if at is None:
+                    continue
+            if at.children:
+                return self._continue(at, n - j, max_tokens, max_spec_factor, min_token_prob)
         return NO_SPECULATION
 
     def _continue(
@@ -194,8 +234,12 @@ class SuffixTree:
         total = node.count - 1  # the context's own occurrence ends here and has no continuation
         prob = 1.0
         while len(out.tokens) < limit and node.children:
-            t, child = max(node.children.items(), key=_child_count)
-            p = _child_count((t, child)) / total
+            t = node.best
+            if t is None:
+                t = node.best = max(node.children.items(), key=_child_count)[0]
+                node.lead = 0
+            child = node.children[t]
+            p = (child.count if type(child) is _Node else 1) / total
             if prob * p < min_token_prob:
                 break
             prob *= p
@@ -217,6 +261,17 @@ class SuffixTree:
 def _child_count(item: tuple[int, _Node | _Leaf]) -> int:
     child = item[1]
     return child.count if type(child) is _Node else 1
+
+
+def _best_lost(node: _Node, count: int) -> None:
+    """The node's best child lost an occurrence and has ``count`` left (0: it is gone)."""
+    if node.lead >= 2:
+        node.lead -= 1
+    elif count == 0 or (count == 1 and node.lead == 1):  # every child left is seen once: the first
+        node.best = next(iter(node.children), None)
+        node.lead = 0
+    else:
+        node.best = None
 
 
 def _count_nodes(node: _Node) -> int:

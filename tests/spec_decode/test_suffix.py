@@ -2,6 +2,7 @@
 cache of finished outputs, and lossless speculation on the tiny model."""
 
 import collections
+import copy
 import random
 
 import pytest
@@ -58,6 +59,44 @@ def test_token_by_token_updates_count_what_a_rebuild_counts(seed):
             grown.remove(live.pop())
             assert_counts(grown, [seqs[i] for i in live], rng, vocab)
         assert grown.num_nodes == 0 and grown.num_tokens == 0 and not grown.root.children
+
+
+def branches(node):
+    yield node
+    for child in node.children.values():
+        if type(child) is type(node):
+            yield from branches(child)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_best_children_kept_per_token_are_those_a_scan_finds(seed):
+    """Each branch keeps its most frequent child (the first seen among equals) as sequences grow and
+    go, so that drafting never scans: it is the one a scan of the children finds, and drafts equal
+    those of a copy of the tree that forgot them all (and scans each branch it drafts through)."""
+    rng = random.Random(seed)
+    for _ in range(30):
+        depth, vocab = rng.randint(2, 5), rng.randint(1, 3)
+        tree = SuffixTree(depth)
+        live, next_id = [], 0
+        for _ in range(60):
+            if rng.random() < 0.2 or not live:
+                tree.add(next_id, [rng.randrange(vocab) for _ in range(rng.randint(0, 6))])
+                live.append(next_id)
+                next_id += 1
+            elif rng.random() < 0.7:
+                tree.extend(rng.choice(live), [rng.randrange(vocab) for _ in range(rng.randint(1, 3))])
+            else:
+                tree.remove(live.pop(rng.randrange(len(live))))
+            for node in branches(tree.root):
+                if node.best is not None:
+                    count = {t: getattr(child, "count", 1) for t, child in node.children.items()}
+                    assert node.best == max(count, key=count.get)
+            scanned = copy.deepcopy(tree)
+            for node in branches(scanned.root):
+                node.best = None
+            for i in live:
+                for k in (1, 3):
+                    assert tree.speculate(i, k, 2.0, 0.0) == scanned.speculate(i, k, 2.0, 0.0)
 
 
 def test_drafts_continue_the_longest_earlier_match_by_frequency():
