@@ -125,7 +125,16 @@ class Engine:
         self.proposer = make_proposer(
             spec.for_target(config.load_format) if spec is not None else None,
             ProposerContext(
-                self.tokenizer, dtype, device, config.block_size, config.quantization, kv_dtype, config.dtype
+                self.tokenizer,
+                dtype,
+                device,
+                config.block_size,
+                config.quantization,
+                kv_dtype,
+                config.dtype,
+                model_config,
+                model.model.embed_tokens,
+                model.compute_logits,
             ),
         )
 
@@ -138,7 +147,14 @@ class Engine:
             max_len = capacity
         self.max_model_len = max_len
         self.allocator = BlockAllocator(num_blocks, config.block_size)
-        self.runner = ModelRunner(model, num_blocks * config.block_size, config.block_size, kv_dtype, device)
+        self.runner = ModelRunner(
+            model,
+            num_blocks * config.block_size,
+            config.block_size,
+            kv_dtype,
+            device,
+            hidden_layers=self.proposer.hidden_layers(),  # none unless the proposer reads them (EAGLE)
+        )
         self.proposer.allocate_kv(num_blocks * config.block_size)
         self.device = device
         self._clock = StepClock(device)
@@ -319,6 +335,7 @@ class Engine:
         start = self._clock.mark()
         logits = self.runner.forward(plan, drafts)  # one target pass: last tokens + drafts + prefills
         end = self._clock.mark()
+        self.proposer.read_hidden(plan, drafts, logits.hidden)  # an EAGLE head's input; else None
         # accepted drafts + one token each, logprobs
         result = verify(logits.sampled, drafts, sampling, self._synthetic)
         result.prompt_logprobs = score_prompts(logits.prompts, plan.prefills)  # for prompt_logprobs

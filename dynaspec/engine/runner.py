@@ -23,7 +23,7 @@ from dynaspec.engine.static_pass import (
 )
 from dynaspec.engine.types import Drafts, PromptLogits, SchedulePlan, TargetLogits
 from dynaspec.heap import reuse_freed_memory
-from dynaspec.models.attention import DecodeMetadata, build_attention_metadata
+from dynaspec.models.attention import AttentionMetadata, DecodeMetadata, build_attention_metadata
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.qlinear import kernel_error
 
@@ -42,9 +42,18 @@ class TokenRun:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, num_slots: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: LlamaModel,
+        num_slots: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        hidden_layers: tuple[int, ...] = (),
     ) -> None:
         self.model = model
+        # the layers whose entering hidden states ``forward`` returns (a proposer reading the
+        # target's own states, Proposer.hidden_layers); empty: none, at no cost
+        self.hidden_layers = hidden_layers
         self.block_size = block_size
         self.device = device
         self.kv_caches = allocate_kv_cache(model.config, num_slots, dtype, device)
@@ -70,9 +79,11 @@ class ModelRunner:
         Row i of ``sampled`` holds the logits of ``plan.sampled[i]``: a decode's last token and its
         draft tokens, or a completing prefill's last prompt token (rows past what a request
         verifies are zero). Prefill chunks of requests that score their prompt also return the
-        logits of the positions that predict prompt tokens not scored yet.
+        logits of the positions that predict prompt tokens not scored yet. With ``hidden_layers``
+        the hidden states of every token of the pass come back too (``TargetLogits.hidden``), and
+        decode-only steps take the varlen pass rather than the fixed-shape one.
         """
-        if self.static is not None and self.static.takes(plan, drafts):
+        if self.static is not None and not self.hidden_layers and self.static.takes(plan, drafts):
             return TargetLogits(self.static.verify(plan, drafts))
         runs, owners, scored = [], [], []  # scored: logit rows of each run that score prompt tokens
         draft_rows = drafts.token_ids.tolist()  # one copy to the host for the whole batch
@@ -89,11 +100,15 @@ class ModelRunner:
             runs.append(TokenRun(r.token_at(start, start + chunk.num_tokens), start, r.block_ids, rows))
             owners.append(r)
             scored.append(len(score))
-        flat = self.run(runs)  # [sum of logit rows, vocab]
+        hidden = None  # [tokens of the pass, len(hidden_layers) * hidden]
+        if self.hidden_layers:
+            flat, hidden = self.run_capture(runs, self.hidden_layers)
+        else:
+            flat = self.run(runs)  # [sum of logit rows, vocab]
         sampled_rows = [run.logit_rows[n:] for run, n in zip(runs, scored)]
         width = drafts.k + 1
         if not any(scored) and all(len(rows) == width for rows in sampled_rows):
-            return TargetLogits(flat.view(len(runs), width, flat.shape[-1]))  # no padding
+            return TargetLogits(flat.view(len(runs), width, flat.shape[-1]), hidden=hidden)  # no padding
         out = flat.new_empty(sum(1 for rows in sampled_rows if rows), width, flat.shape[-1])
         prompts, row, at = [], 0, 0
         for run, r, n, rows in zip(runs, owners, scored, sampled_rows):
@@ -106,12 +121,30 @@ class ModelRunner:
                 out[row, len(rows) :] = 0
                 row += 1
             at += n + len(rows)
-        return TargetLogits(out, prompts)
+        return TargetLogits(out, prompts, hidden)
 
     def run(self, runs: list[TokenRun], hidden: bool = False) -> torch.Tensor:
         """One forward pass over all runs; logits for the requested rows, in run order
         ([sum(len(r.logit_rows)), vocab] float32), or with ``hidden`` the final hidden states the
         head would read ([rows, hidden_size])."""
+        ids, positions, rows, meta = self._inputs(runs)
+        states = self.model(ids, positions, self.kv_caches, meta)
+        picked = states.index_select(0, rows)
+        return picked if hidden else self.model.compute_logits(picked)
+
+    def run_capture(
+        self, runs: list[TokenRun], layer_ids: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [logit rows, vocab] float32, [tokens, len(layer_ids) * hidden]
+        """``run``, also returning the hidden states entering the layers ``layer_ids`` for every
+        token of the pass (``LlamaModel.forward_capture``)."""
+        ids, positions, rows, meta = self._inputs(runs)
+        states, hidden = self.model.forward_capture(ids, positions, self.kv_caches, meta, layer_ids)
+        return self.model.compute_logits(states.index_select(0, rows)), hidden
+
+    def _inputs(
+        self, runs: list[TokenRun]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids and positions [tokens], the logit rows [rows] and the attention metadata of a pass."""
         ids, positions, rows = [], [], []
         for r in runs:
             rows.extend(len(ids) + o for o in r.logit_rows)
@@ -126,15 +159,13 @@ class ModelRunner:
             rowwise=self.rowwise,
             window=self.window,
         )
-        states = self.model(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_caches,
+        device = self.device
+        return (
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            torch.tensor(rows, dtype=torch.long, device=device),
             meta,
         )
-        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        picked = states.index_select(0, rows_t)
-        return picked if hidden else self.model.compute_logits(picked)
 
 
 class StaticDecoder:

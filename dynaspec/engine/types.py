@@ -124,6 +124,10 @@ class TargetLogits:
 
     sampled: torch.Tensor  # [len(plan.sampled), k + 1, vocab] float32: decodes' windows, completing prefills
     prompts: list[PromptLogits] = field(default_factory=list)  # prefill chunks that score their prompt
+    # [tokens of the pass, len(layers) * hidden] the target's hidden states entering the layers the
+    # proposer reads (Proposer.hidden_layers), one row per token computed, in the pass's order (each
+    # decode's last token and drafts, then each prefill chunk); None when it reads none
+    hidden: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

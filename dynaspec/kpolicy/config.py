@@ -15,7 +15,9 @@ from typing import Any, Literal, NamedTuple
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
-METHODS = ("draft_model", "ngram", "suffix")
+METHODS = ("draft_model", "ngram", "suffix", "eagle", "eagle3")
+# methods whose drafter is a head reading the target's hidden states; `model` names its checkpoint
+EAGLE_METHODS = ("eagle", "eagle3")
 TABLE = "num_speculative_tokens_per_batch_size"
 SYNTHETIC = "synthetic_acceptance_rate"
 # a draft model's window when the config names none: acceptance on long code outputs 0.788 against
@@ -48,8 +50,10 @@ class SuffixSettings(NamedTuple):
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=True))
 class SpeculativeConfig:
-    method: Literal["draft_model", "ngram", "suffix"]
-    model: str | None = None  # draft_model: a pack name, HF directory or .gguf file
+    method: Literal["draft_model", "ngram", "suffix", "eagle", "eagle3"]
+    # draft_model: a pack name, HF directory or .gguf file; eagle, eagle3: the head's checkpoint
+    # directory (config.json + model.safetensors, as vLLM and SpecForge lay them out)
+    model: str | None = None
     num_speculative_tokens: int | None = Field(default=None, ge=1, le=32)  # the maximum K
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = (
         None  # [lo, hi, K] ranges
@@ -148,9 +152,11 @@ class SpeculativeConfig:
             raise ValueError(
                 "model: required for method draft_model: a pack name, HF directory or .gguf file"
             )
+        if self.method in EAGLE_METHODS and not self.model:
+            raise ValueError(f"model: required for method {self.method}: the head's checkpoint directory")
         if self.method != "draft_model":
             drafter_only = (
-                "model",
+                *(() if self.method in EAGLE_METHODS else ("model",)),
                 "draft_quantization",
                 "draft_vocab_size",
                 "draft_context_window",

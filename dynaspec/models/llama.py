@@ -301,6 +301,50 @@ class LlamaModel(nn.Module):
         return self.model.norm.add_forward(x, residual)[1]
 
     @torch.inference_mode()
+    def forward_capture(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: k, v [num_slots, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        layer_ids: tuple[int, ...],  # each in 0..num_hidden_layers
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, hidden], [num_tokens, len(layer_ids) * hidden]
+        """``forward``, also returning the hidden states entering each layer of ``layer_ids`` side
+        by side: the residual stream before that layer (the embeddings for layer 0), and for
+        ``num_hidden_layers`` the final norm's output (what the head reads). The same operators in
+        the same order as ``forward``, so the states returned first are bitwise ``forward``'s."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        plan = meta.rowwise
+        stack = self._decoder_stack() if self.use_stack and plan is not None and _fused(x) else None
+        inner = tuple(i for i in layer_ids if i < len(self.model.layers))
+        entering: dict[int, torch.Tensor] = {}
+        if stack is not None:
+            k_caches, v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
+            out, *captured = stack.forward_capture(
+                x,
+                cos,
+                sin,
+                k_caches,
+                v_caches,
+                meta.slot_mapping,
+                plan.slot_table,
+                plan.row_seq,
+                plan.row_len,
+                list(inner),
+            )
+            entering = dict(zip(inner, captured))
+        else:
+            residual = None
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
+                if i in inner:
+                    entering[i] = x if residual is None else x + residual
+                x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta)
+            out = self.model.norm.add_forward(x, residual)[1]
+        hidden = [out if i == len(self.model.layers) else entering[i] for i in layer_ids]
+        return out, torch.cat(hidden, dim=-1)
+
+    @torch.inference_mode()
     def forward_decode(
         self,
         input_ids: torch.Tensor,  # [b * query_len]

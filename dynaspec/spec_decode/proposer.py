@@ -20,6 +20,7 @@ from dynaspec.engine.types import Drafts, SchedulePlan, StepResult
 if TYPE_CHECKING:
     from dynaspec.engine.request import Request
     from dynaspec.kpolicy.config import SpeculativeConfig
+    from dynaspec.models.config import ModelConfig
 
 
 @dataclass(slots=True)
@@ -33,6 +34,11 @@ class ProposerContext:
     quantization: str = "auto"  # the target's --quantization (a drafter follows it unless told otherwise)
     kv_dtype: torch.dtype | None = None  # the target's KV cache (default: dtype)
     dtype_flag: str = "auto"  # --dtype as given (a drafter of another quantization resolves its own)
+    # for a head that reads the target's own hidden states (EAGLE): the target's shape, and its
+    # embedding and head as functions (ids [n] -> [n, hidden]; hidden [n, hidden] -> [n, vocab] float32)
+    target_config: ModelConfig | None = None
+    target_embed: Callable[[torch.Tensor], torch.Tensor] | None = None
+    target_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class Proposer:
@@ -65,6 +71,16 @@ class Proposer:
         """Tokens it would process to catch up on a context of this many tokens it has not seen
         (a new request's prompt)."""
         return 0
+
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target layers whose entering hidden states it reads (``num_hidden_layers``: the
+        final norm's output); empty, the default, and the target computes none."""
+        return ()
+
+    def read_hidden(self, plan: SchedulePlan, drafts: Drafts, hidden: torch.Tensor | None) -> None:
+        """The target's hidden states of a step's pass (``TargetLogits.hidden``: one row per token
+        it computed, [tokens, len(hidden_layers()) * hidden], None when it reads none), before
+        ``commit``."""
 
     def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
         """Up to ``plan.k_caps[i]`` draft tokens for each decode; nothing runs when ``plan.k == 0``."""
@@ -120,6 +136,7 @@ def make_proposer(spec_config: SpeculativeConfig | None, ctx: ProposerContext) -
     if spec_config is None:
         return Proposer(ctx)
     import dynaspec.spec_decode.draft_model
+    import dynaspec.spec_decode.eagle
     import dynaspec.spec_decode.ngram
     import dynaspec.spec_decode.suffix  # noqa: F401  each registers its method
 

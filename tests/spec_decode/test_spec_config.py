@@ -30,7 +30,7 @@ def test_json_string_dict_and_file(tmp_path):
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"method": "eagle"}, "method"),
+        ({"method": "medusa"}, "method"),
         ({"model": None}, "model"),
         ({"model": ""}, "model"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),

@@ -92,6 +92,28 @@ struct DecoderStack : torch::CustomClassHolder {
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
                      std::vector<at::Tensor> v_caches, at::Tensor slot_mapping, at::Tensor slot_table,
                      at::Tensor row_seq, at::Tensor row_len) {
+    return run(x, cos, sin, k_caches, v_caches, slot_mapping, slot_table, row_seq, row_len, {}, nullptr);
+  }
+
+  // forward, also returning the hidden states entering each layer of `layer_ids` (the residual
+  // stream: the embeddings for layer 0; layer_ids may hold the same layer twice) -> [the final
+  // norm's output, then one [tokens, hidden] tensor per entry of layer_ids].
+  std::vector<at::Tensor> forward_capture(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                          std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                                          at::Tensor slot_mapping, at::Tensor slot_table, at::Tensor row_seq,
+                                          at::Tensor row_len, std::vector<int64_t> layer_ids) {
+    std::vector<at::Tensor> captured(layer_ids.size());
+    at::Tensor out =
+        run(x, cos, sin, k_caches, v_caches, slot_mapping, slot_table, row_seq, row_len, layer_ids, &captured);
+    captured.insert(captured.begin(), out);
+    return captured;
+  }
+
+ private:
+  at::Tensor run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor>& k_caches,
+                 std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping, const at::Tensor& slot_table,
+                 const at::Tensor& row_seq, const at::Tensor& row_len, const std::vector<int64_t>& layer_ids,
+                 std::vector<at::Tensor>* captured) {
     TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(), "DecoderStack: one cache a layer");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "DecoderStack: x must be float32 [tokens, hidden]");
     const int64_t n = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
@@ -104,6 +126,11 @@ struct DecoderStack : torch::CustomClassHolder {
         h = dynaspec_ops::rms_norm(x.contiguous(), L.in_norm, eps);
       } else {
         std::tie(residual, h) = dynaspec_ops::add_rms_norm(x.contiguous(), residual.contiguous(), L.in_norm, eps);
+      }
+      if (captured != nullptr) {
+        for (size_t c = 0; c < layer_ids.size(); ++c) {
+          if (layer_ids[c] == static_cast<int64_t>(l)) (*captured)[c] = residual;
+        }
       }
       // attention (llama.py Attention.forward and attention.paged_attention)
       const at::Tensor qkv = L.qkv(h);
@@ -137,5 +164,6 @@ TORCH_LIBRARY_FRAGMENT(dynaspec, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)
-      .def("forward", &DecoderStack::forward);
+      .def("forward", &DecoderStack::forward)
+      .def("forward_capture", &DecoderStack::forward_capture);
 }
