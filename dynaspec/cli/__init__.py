@@ -11,7 +11,7 @@ import importlib
 import logging
 import sys
 
-SUBCOMMANDS = ["generate", "models", "serve", "bench", "profile"]
+SUBCOMMANDS = ["generate", "models", "serve", "bench", "profile", "train_draft"]
 
 
 def build_parser() -> argparse.ArgumentParser:

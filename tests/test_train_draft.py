@@ -1,0 +1,120 @@
+"""`dynaspec train-draft`: an EAGLE-3 head trained on a tiny target's own answers, written in the
+checkpoint layout the engine's eagle3 proposer loads, whose training forward is the engine's."""
+
+import json
+
+import pytest
+import torch
+from support.engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggered
+
+from dynaspec import SamplingParams
+from dynaspec.cli import main
+from dynaspec.engine.kv_cache import allocate_kv_cache
+from dynaspec.models.attention import build_attention_metadata
+from dynaspec.models.config import ModelConfig
+from dynaspec.spec_decode.eagle_head import load_eagle_head
+from dynaspec.train import eagle3
+
+
+def target_config(target_dir) -> ModelConfig:
+    return ModelConfig.from_hf_dict(json.loads((target_dir / "config.json").read_text()))
+
+
+def test_the_trained_forward_is_the_engines_head_after_a_round_trip(target_dir, tmp_path):
+    """The training-time test's step 0 over a sequence, and its step 1 at the last row, give the
+    logits the engine's EagleHead gives from the written checkpoint: its catch-up pass over the
+    positions, then one chained pass at the next position on its own state."""
+    torch.manual_seed(0)
+    target = target_config(target_dir)
+    draft_ids = torch.randperm(target.vocab_size)[:40].sort().values
+    config = eagle3.head_config(target, len(draft_ids), 96)
+    model = eagle3.TrainableEagle3(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # every tensor matters, norms and fc included
+            p.copy_(p.to(torch.bfloat16).float())  # as the checkpoint holds them
+    eagle3.write_checkpoint(model, config, draft_ids, target.vocab_size, tmp_path, _card())
+    head = load_eagle_head(tmp_path, "eagle3", target, torch.float32, torch.device("cpu"))
+    assert torch.equal(head.draft_to_target, draft_ids)
+
+    n, h = 9, target.hidden_size
+    ids = torch.randint(0, target.vocab_size, (n + 3,))
+    table = torch.randn(target.vocab_size, h)
+    hidden = torch.randn(n, 3 * h)
+    steps = model.ttt(table[ids[1 : n + 3]], hidden, 2)  # row p reads token p + 1 (+ j)
+
+    kv = allocate_kv_cache(head.config.layer, 64, torch.float32, torch.device("cpu"))[0]
+    meta = build_attention_metadata([n], [n], [[0, 1, 2, 3]], 16, torch.device("cpu"))
+    out, state = head(table[ids[1 : n + 1]], hidden, torch.arange(n), kv, meta)
+    full = head.draft_logits(out, None, target.vocab_size)
+    torch.testing.assert_close(full[:, draft_ids], steps[0].detach(), rtol=1e-4, atol=1e-4)
+    assert torch.isinf(
+        full[:, [i for i in range(target.vocab_size) if i not in set(draft_ids.tolist())]]
+    ).all()
+
+    meta = build_attention_metadata([1], [n + 1], [[0, 1, 2, 3]], 16, torch.device("cpu"))
+    out, _ = head(table[ids[n + 1 : n + 2]], state[-1:], torch.tensor([n]), kv, meta)
+    chained = head.draft_logits(out, None, target.vocab_size)[:, draft_ids]
+    torch.testing.assert_close(chained, steps[1][-1:].detach(), rtol=1e-4, atol=1e-4)
+
+
+def _card() -> dict:
+    return {
+        "target": "tiny",
+        "command": "dynaspec train-draft ...",
+        "dataset": "test",
+        "conversations": 1,
+        "train_conversations": 1,
+        "held_out_conversations": 0,
+        "answer_tokens": 0,
+        "draft_vocab_size": 40,
+        "steps": 0,
+        "tokens": 0,
+        "seconds": 0.0,
+        "ttt_steps": 2,
+        "acceptance_untrained": [],
+        "acceptance": [],
+    }
+
+
+def test_evaluation_sets_are_never_trained_on():
+    for name in ("humaneval", "MT-Bench", "mixed", "codeedit", "longedit"):
+        with pytest.raises(ValueError, match="evaluation set"):
+            eagle3.training_prompts(name, 4)
+    assert len(eagle3.training_prompts("gsm8k", 3)) == 3
+
+
+@pytest.mark.slow
+def test_a_tiny_run_learns_writes_a_loadable_head_and_stays_lossless(target_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    texts = [f"{p} {i}" for i in range(4) for p in PROMPTS]  # 20 conversations
+    prompts.write_text("\n".join(json.dumps({"prompt": t}) for t in texts))
+    out = tmp_path / "head"
+    args = ["train-draft", "--model", str(target_dir), "--dtype", "float32", "--kv-cache-memory-gb", "0.02"]
+    args += ["--dataset", str(prompts), "--num-prompts", "20", "--max-tokens", "24", "--output", str(out)]
+    args += ["--draft-vocab-size", "96", "--epochs", "8", "--eval-every", "40", "--lr", "3e-3"]
+    args += ["--holdout", "0.2", "--intermediate-size", "64", "--time-budget-min", "1"]
+    assert main(args) == 0
+    card = json.loads((out / "training_log.json").read_text())
+    losses = [loss for _, loss in card["losses"]]
+    assert sum(losses[-16:]) / 16 < 0.7 * sum(losses[:16]) / 16  # the loss falls
+    assert card["acceptance"][0] > card["acceptance_untrained"][0] + 0.1  # and acceptance rises
+    assert card["held_out_conversations"] == 4 and card["draft_vocab_size"] <= 96
+    assert (out / "README.md").read_text().startswith("# EAGLE-3 head for")
+    assert len(card["curve"]) >= 3  # held-out acceptance against training tokens
+
+    # the head drives the engine: outputs stay the target's, and it drafts
+    spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": 3}
+    engine = make_engine(target_dir, speculative_config=spec)
+    assert run_staggered(engine, PROMPTS, GREEDY) == run_alone(target_dir, PROMPTS)
+    assert engine.stats()["spec"]["num_accepted_tokens"] > 0
+    # seeded sampled requests emit plain decoding's draws, and the head's sampled drafts are kept
+    sampled = SamplingParams(max_tokens=24, temperature=0.7, seed=7, ignore_eos=True)
+    engine = make_engine(target_dir, speculative_config=spec)
+    assert run_staggered(engine, PROMPTS, sampled) == run_alone(target_dir, PROMPTS, sampled)
+    assert engine.stats()["spec"]["num_accepted_tokens"] > 0
+
+    # a second run resumes: the data and the state are kept, nothing is generated again
+    before = sorted(p.stat().st_mtime for p in (out / "data").glob("*.pt"))
+    assert main(args) == 0
+    assert sorted(p.stat().st_mtime for p in (out / "data").glob("*.pt")) == before
