@@ -8,7 +8,7 @@ bash scripts/setup.sh || exit 1
 .venv/bin/ruff check dynaspec tests benchmarks || exit 1
 .venv/bin/ruff format --check dynaspec tests benchmarks || exit 1
 .venv/bin/lint-imports || exit 1
-.venv/bin/python -m pytest -q -rs "$@"
+.venv/bin/python -m pytest -q -rs --durations=25 "$@"  # the slowest tests, to keep the suite in budget
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2
