@@ -41,11 +41,12 @@ def main(profile_path: str, out: str) -> None:
                 policy = GoodputK(source, max_k, hysteresis_steps=1, per_request=False)
                 grid[i, j] = policy.k_for_batch(load, context)
         grids.append(grid)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), sharey=True)
     u, v = profile.context_cost
     titles = (
-        f"with the context axis\n(+{u:.2f} ms a request, +{v:.2f} a draft token, per 1k context tokens)",
-        f"context-blind (the grid's {profile.context_tokens:.0f}-token contexts everywhere)",
+        f"with the context axis\n(+{u:.2f} ms a request, +{v:.2f} ms a draft token,\n"
+        "per 1,000 context tokens)",
+        f"context-blind\n(the grid's {profile.context_tokens:.0f}-token contexts everywhere)",
     )
     for ax, grid, title in zip(axes, grids, titles):
         im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis", vmin=0, vmax=max_k)

