@@ -33,7 +33,7 @@ def test_the_trained_forward_is_the_engines_head_after_a_round_trip(target_dir, 
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # every tensor matters, norms and fc included
             p.copy_(p.to(torch.bfloat16).float())  # as the checkpoint holds them
-    eagle3.write_checkpoint(model, config, draft_ids, target.vocab_size, tmp_path, _card())
+    eagle3.write_checkpoint(model, config, draft_ids, target.vocab_size, tmp_path, {"target": "tiny"})
     head = load_eagle_head(tmp_path, "eagle3", target, torch.float32, torch.device("cpu"))
     assert torch.equal(head.draft_to_target, draft_ids)
 
@@ -56,25 +56,6 @@ def test_the_trained_forward_is_the_engines_head_after_a_round_trip(target_dir, 
     out, _ = head(table[ids[n + 1 : n + 2]], state[-1:], torch.tensor([n]), kv, meta)
     chained = head.draft_logits(out, None, target.vocab_size)[:, draft_ids]
     torch.testing.assert_close(chained, steps[1][-1:].detach(), rtol=1e-4, atol=1e-4)
-
-
-def _card() -> dict:
-    return {
-        "target": "tiny",
-        "command": "dynaspec train-draft ...",
-        "dataset": "test",
-        "conversations": 1,
-        "train_conversations": 1,
-        "held_out_conversations": 0,
-        "answer_tokens": 0,
-        "draft_vocab_size": 40,
-        "steps": 0,
-        "tokens": 0,
-        "seconds": 0.0,
-        "ttt_steps": 2,
-        "acceptance_untrained": [],
-        "acceptance": [],
-    }
 
 
 def test_evaluation_sets_are_never_trained_on():

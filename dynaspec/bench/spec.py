@@ -1,5 +1,6 @@
 """`dynaspec bench spec`: speculative speedup at batch size 1, greedy, against plain decoding and
-against Hugging Face transformers' assisted generation with the same pair, in one run.
+against Hugging Face transformers' assisted generation with the same pair, in one run (with
+``--eagle3 DIR``, an EAGLE-3 head beside the draft model and n-gram).
 
 Configurations are interleaved prompt by prompt (every configuration runs prompt 1, then prompt 2,
 ...) so machine noise hits them alike. Speeds are output tokens over wall time, prefill included.
@@ -26,6 +27,10 @@ def add_parser(sub) -> None:
         "--ks", default="0,1,2,3,4,5,6", help="draft_model K values (K=0: drafter loaded, never run)"
     )
     p.add_argument("--ngram-k", type=int, default=4, help="K for the ngram proposer (0: skip)")
+    p.add_argument(
+        "--eagle3", default=None, metavar="DIR", help="also an EAGLE-3 head (a checkpoint directory)"
+    )
+    p.add_argument("--eagle-k", type=int, default=3, help="K for --eagle3")
     p.add_argument(
         "--quantization",
         default="auto",
@@ -100,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
         ngram = {"method": "ngram", "num_speculative_tokens": args.ngram_k}
         engines["ngram"] = Engine(EngineConfig(model=args.model, speculative_config=ngram, **base))
         configs.append((f"dynaspec ngram K={args.ngram_k}", "ngram", args.ngram_k))
+    if args.eagle3:
+        eagle = {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": args.eagle_k}
+        engines["eagle3"] = Engine(EngineConfig(model=args.model, speculative_config=eagle, **base))
+        configs.append((f"dynaspec eagle3 K={args.eagle_k}", "eagle3", args.eagle_k))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     tokenizer = engines["plain"].tokenizer
     prompt_ids = [tokenizer.apply_chat_template(p) for p in prompts]

@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=2000, help="conversations to generate and train on")
     p.add_argument("--max-tokens", type=int, default=256, help="answer tokens per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="the target's answers (0: greedy)")
+    p.add_argument("--generate-batch", type=int, default=16, help="prompts the target answers at once")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="ids the head can propose")
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps (unrolled drafts)")
     p.add_argument("--epochs", type=int, default=4)
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         ("--epochs", args.epochs, 1),
         ("--draft-vocab-size", args.draft_vocab_size, 1),
         ("--eval-every", args.eval_every, 1),
+        ("--generate-batch", args.generate_batch, 1),
     )
     if not 0 < args.holdout < 1:
         raise ValueError(f"--holdout: must be in (0, 1), got {args.holdout}")
@@ -74,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         holdout=args.holdout,
         eval_every=args.eval_every,
         intermediate_size=args.intermediate_size,
+        generate_batch=args.generate_batch,
     )
     prompts = eagle3.training_prompts(args.dataset, args.num_prompts)
     if len(prompts) < 2:

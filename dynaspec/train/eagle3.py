@@ -551,20 +551,24 @@ def write_checkpoint(
     save_file(tensors, str(output / WEIGHTS_FILE))
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (output / "training_log.json").write_text(json.dumps(card, indent=2) + "\n")
-    lines = [
-        f"# EAGLE-3 head for {card['target']}",
-        "",
-        "Trained by `dynaspec train-draft` on the target's own answers (self-distillation).",
-        "",
-        f"- command: `{card['command']}`",
-        f"- data: {card['dataset']}, {card['conversations']} conversations "
-        f"({card['train_conversations']} train, {card['held_out_conversations']} held out), "
-        f"{card['answer_tokens']} answer tokens",
-        f"- draft vocabulary: {card['draft_vocab_size']} of {vocab_size} target ids",
-        f"- training: {card['steps']} steps, {card['tokens']} positions, {card['seconds']:.0f} s, "
-        f"training-time test of {card['ttt_steps']} steps",
-        f"- held-out acceptance per position (untrained -> trained): {card['acceptance_untrained']} -> "
-        f"{card['acceptance']}",
+    lines = [f"# EAGLE-3 head for {card['target']}", ""]
+    if "steps" in card:
+        lines += [
+            "Trained by `dynaspec train-draft` on the target's own answers (self-distillation).",
+            "",
+            f"- command: `{card['command']}`",
+            f"- data: {card['dataset']}, {card['conversations']} conversations "
+            f"({card['train_conversations']} train, {card['held_out_conversations']} held out), "
+            f"{card['answer_tokens']} answer tokens",
+            f"- draft vocabulary: {card['draft_vocab_size']} of {vocab_size} target ids",
+            f"- training: {card['steps']} steps, {card['tokens']} positions, {card['seconds']:.0f} s, "
+            f"training-time test of {card['ttt_steps']} steps",
+            f"- held-out acceptance per position (untrained -> trained): {card['acceptance_untrained']} -> "
+            f"{card['acceptance']}",
+        ]
+    else:
+        lines.append("Untrained: random weights.")
+    lines += [
         "",
         'Load it with `--speculative-config \'{"method": "eagle3", "model": "<this directory>", '
         '"num_speculative_tokens": 3}\'`.',

@@ -4,7 +4,10 @@ import json
 import re
 from pathlib import Path
 
+import torch
+
 from dynaspec.cli import main
+from dynaspec.models.config import ModelConfig
 from dynaspec.provenance import git_commit
 
 
@@ -57,6 +60,14 @@ def test_bench_decode_at_a_long_context(tmp_path, target_dir, capsys):
 
 def test_bench_spec_tiny(tmp_path, target_dir):
     out = tmp_path / "spec.json"
+    # an EAGLE-3 head of random weights beside the draft model and n-gram (--eagle3)
+    from dynaspec.train import eagle3
+
+    target = ModelConfig.from_hf_dict(json.loads((target_dir / "config.json").read_text()))
+    config = eagle3.head_config(target, 64, 32)
+    head = tmp_path / "head"
+    model = eagle3.TrainableEagle3(config)
+    eagle3.write_checkpoint(model, config, torch.arange(64), target.vocab_size, head, {"target": "tiny"})
     rc = main(
         [
             "bench",
@@ -81,6 +92,10 @@ def test_bench_spec_tiny(tmp_path, target_dir):
             "0",
             "--draft-quantization",
             "none",  # the target's own weights, so that it drafts exactly what it verifies
+            "--eagle3",
+            str(head),
+            "--eagle-k",
+            "2",
             "--dtype",
             "float32",
             "--result-file",
@@ -94,6 +109,7 @@ def test_bench_spec_tiny(tmp_path, target_dir):
         "dynaspec K=1",
         "dynaspec K=3",
         "dynaspec ngram K=2",
+        "dynaspec eagle3 K=2",
         "transformers plain",
         "transformers assisted",
     }
