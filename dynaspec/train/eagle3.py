@@ -44,7 +44,7 @@ from torch import nn
 from tqdm import tqdm
 
 from dynaspec.models.config import ModelConfig
-from dynaspec.models.llama import RotaryEmbedding
+from dynaspec.models.llama import RotaryEmbedding, _rotate
 from dynaspec.spec_decode.eagle_head import WEIGHTS_FILE, default_aux_layers
 
 log = logging.getLogger(__name__)
@@ -335,8 +335,8 @@ class TrainableEagle3(nn.Module):
             normed_state = self.hidden_norm(state)
             x = torch.cat([self.input_layernorm(embeds[j : j + n]), normed_state], dim=-1)
             cos, sin = self.rotary(rows + j)
-            q = _rope(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-            k = _rope(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+            q = _rotate(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
+            k = _rotate(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
             v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
             keys.append(k)
             values.append(v)
@@ -359,12 +359,6 @@ class TrainableEagle3(nn.Module):
             state = self.down_proj(F.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in)) + residual
             logits.append(self.lm_head(self.norm(state)))
         return logits
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 # ---- training ---------------------------------------------------------------------------------
@@ -499,14 +493,16 @@ def train(
     if not log_.acceptance:
         evaluate()  # the untrained head: the curve's first point
     began = time.perf_counter() - log_.seconds
+    order, order_epoch = [], -1
     with tqdm(
         total=total_steps, initial=log_.steps, desc="train-draft", unit="step", disable=not progress
     ) as bar:
         while log_.steps < total_steps:
             epoch = log_.steps // len(train_set)
-            sequence = list(range(len(train_set)))
-            random.Random(settings.seed + epoch).shuffle(sequence)
-            path = train_set[sequence[log_.steps % len(train_set)]]
+            if epoch != order_epoch:  # each epoch's order, from the seed (a resumed run takes it up)
+                order, order_epoch = list(range(len(train_set))), epoch
+                random.Random(settings.seed + epoch).shuffle(order)
+            path = train_set[order[log_.steps % len(train_set)]]
             conv = Conversation.of(torch.load(path), target_to_draft)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(log_.steps)
