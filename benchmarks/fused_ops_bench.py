@@ -1,6 +1,10 @@
 """Time each fused op (models/fused_ops.py): its Triton kernel against its torch twin, on CUDA, at the
 decode shapes of Qwen2.5-7B, -1.5B and -0.5B (bf16), batch 1/16/64, query_len 1 and 6 (decode, and
-verify of K=5 drafts), a context of 512 tokens.
+verify of K=5 drafts), a context of 512 tokens; the few-row projections (q/k/v with its norm, o,
+gate/up with its norm, down with the SiLU-mul, the head) against cuBLAS after the separate norm or
+SiLU-mul kernel, and ``top1`` against a softmax and max.
+
+    python benchmarks/fused_ops_bench.py --out results/fused_ops.json --skinny-configs 16,128,4,3 32,256,4,3
 
     python benchmarks/fused_ops_bench.py --out results/fused_ops.json
     python benchmarks/fused_ops_bench.py --dry-run --out /tmp/fused_ops.json   # CPU: tiny shapes, twins
@@ -45,6 +49,8 @@ SHAPES = {
     "0.5b": Shape(896, 4864, 14, 2, 64),
 }
 TINY = {"tiny": Shape(64, 96, 4, 2, 16)}
+VOCAB = 151936
+PROJECTIONS = ("qkv_norm_linear", "o_linear", "gate_up_norm_linear", "down_silu_linear", "head_linear")
 
 
 @dataclass(slots=True)
@@ -81,7 +87,22 @@ def _cases(shape: Shape, b: int, query_len: int, context: int, dtype: torch.dtyp
     slots = slots * BLOCK_SIZE + pos % BLOCK_SIZE
     scale = d**-0.5
     kv_bytes = 2 * b * context * hk * d * k_cache.element_size()
+    w_qkv = torch.randn((hq + 2 * hk) * d, shape.hidden, device=device).to(dtype) * 0.02
+    b_qkv = torch.randn((hq + 2 * hk) * d, device=device).to(dtype)
+    w_o = torch.randn(shape.hidden, hq * d, device=device).to(dtype) * 0.02
+    w_gate_up = torch.randn(2 * shape.intermediate, shape.hidden, device=device).to(dtype) * 0.02
+    w_down = torch.randn(shape.hidden, shape.intermediate, device=device).to(dtype) * 0.02
+    vocab = VOCAB if device == "cuda" else 1000
+    w_head = torch.randn(vocab, shape.hidden, device=device).to(dtype) * 0.02
+    attn_out = torch.randn(n, hq * d, dtype=dtype, device=device)
+    logits = torch.randn(n, vocab, dtype=dtype, device=device)
     return {
+        "qkv_norm_linear": (lambda f: f(x, residual, weight, 1e-6, w_qkv, b_qkv), None),
+        "o_linear": (lambda f: f(attn_out, w_o), None),
+        "gate_up_norm_linear": (lambda f: f(x, residual, weight, 1e-6, w_gate_up), None),
+        "down_silu_linear": (lambda f: f(gate_up, w_down), None),
+        "head_linear": (lambda f: f(x, w_head), None),
+        "top1": (lambda f: f(logits), None),
         "add_rms_norm": (lambda f: f(x, residual, weight, 1e-6), None),
         "silu_mul": (lambda f: f(gate_up), None),
         "rope_write_kv": (lambda f: f(q, k, v, cos, sin, k_cache, v_cache, slots), None),
@@ -93,6 +114,12 @@ def _cases(shape: Shape, b: int, query_len: int, context: int, dtype: torch.dtyp
 
 
 OPS = {
+    "qkv_norm_linear": (fused_ops.norm_linear, fused_ops.norm_linear_twin),
+    "o_linear": (fused_ops.linear, fused_ops.linear_twin),
+    "gate_up_norm_linear": (fused_ops.norm_linear, fused_ops.norm_linear_twin),
+    "down_silu_linear": (fused_ops.silu_linear, fused_ops.silu_linear_twin),
+    "head_linear": (fused_ops.linear, fused_ops.linear_twin),
+    "top1": (fused_ops.top1, fused_ops.top1_twin),
     "add_rms_norm": (fused_ops.add_rms_norm, fused_ops.add_rms_norm_twin),
     "silu_mul": (fused_ops.silu_mul, fused_ops.silu_mul_twin),
     "rope_write_kv": (fused_ops.rope_write_kv, fused_ops.rope_write_kv_twin),
@@ -132,6 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--query-lens", type=int, nargs="+", default=[1, 6])
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument(
+        "--skinny-configs",
+        nargs="*",
+        default=[],
+        metavar="BN,BK,WARPS,STAGES",
+        help="also time the projections at batch 1, query_len 1 with each of these kernel configs",
+    )
     args = parser.parse_args(argv)
     cuda = not args.dry_run
     if cuda and not (torch.cuda.is_available() and fused_ops.triton is not None):
@@ -156,15 +190,28 @@ def main(argv: list[str] | None = None) -> None:
                         gbps = kv_bytes / (graph_us * 1e3) if kv_bytes else None
                     twin_us = _time_us(lambda c=call, f=twin: c(f), cuda)
                     rows.append(Row(model, b, query_len, op, kernel_us, graph_us, twin_us, gbps))
+        cases = _cases(shape, 1, 1, context, dtype, device)
+        for config in args.skinny_configs if cuda else []:
+            fused_ops.SKINNY_CONFIG = tuple(int(v) for v in config.split(","))
+            try:
+                for op in PROJECTIONS:
+                    call, kernel, twin = cases[op][0], *OPS[op]
+                    graph_us = _graph_us(lambda c=call, f=kernel: c(f))
+                    twin_us = _graph_us(lambda c=call, f=twin: c(f))
+                    rows.append(Row(model, 1, 1, f"{op}[{config}]", None, graph_us, twin_us))
+            finally:
+                fused_ops.SKINNY_CONFIG = None
 
     header = ("model", "b", "q", "op", "kernel us", "graph us", "twin us", "x", "KV GB/s")
-    print("{:>6} {:>4} {:>2} {:<16} {:>10} {:>9} {:>10} {:>6} {:>8}".format(*header))
+    print("{:>6} {:>4} {:>2} {:<34} {:>10} {:>9} {:>10} {:>6} {:>8}".format(*header))
     for r in rows:
         kernel = f"{r.kernel_us:10.1f}" if r.kernel_us is not None else f"{'-':>10}"
         graph = f"{r.graph_us:9.2f}" if r.graph_us is not None else f"{'-':>9}"
-        speedup = f"{r.twin_us / r.kernel_us:6.1f}" if r.kernel_us else f"{'-':>6}"
+        speedup = (
+            f"{r.twin_us / (r.kernel_us or r.graph_us):6.2f}" if r.kernel_us or r.graph_us else f"{'-':>6}"
+        )
         gbps = f"{r.kv_gbps:8.0f}" if r.kv_gbps is not None else f"{'-':>8}"
-        where = f"{r.model:>6} {r.batch:>4} {r.query_len:>2} {r.op:<16}"
+        where = f"{r.model:>6} {r.batch:>4} {r.query_len:>2} {r.op:<34}"
         print(f"{where} {kernel} {graph} {r.twin_us:10.1f} {speedup} {gbps}")
     record = {
         "environment": environment(),

@@ -4,6 +4,9 @@ Stages (each with its own time limit; the JSON is rewritten after every measurem
 that runs out of time or fails still leaves the others' figures):
   env       the device, torch/triton versions, the device's copy bandwidth (a 2 GiB copy) and the
             bf16 weight-streaming roofline of each shape at batch 1
+  invariant the fixed-shape step as it is, then batch invariant (``batch_invariant``: each row's
+            numbers whatever the rows beside it): the 1.5B/0.5B pair's drafter pass and ITL(1 and
+            4, K), a plain 7B step at batch 1 and 8, and a kernel profile of the drafter
   plain     plain decode of the 7B shape, ms a step at batch 1..256 (CUDA graphs), and at batch 1
             and 64 the same step eager on fixed shapes and on the varlen path (today's)
   pair15    ITL(bs, K) for bs in {1, 4, 16, 64, 256}, K = 0..5, of the 1.5B/0.5B pair (synthetic
@@ -13,8 +16,8 @@ that runs out of time or fails still leaves the others' figures):
             none (K=0), fixed K = 1/3/5, the table derived from the grid, goodput batch-level and
             per-request, at concurrency {1, 4, 16, 64, 256}, with EAGLE-3-like and code-pair-like
             rates
-  equality  greedy speculative == plain, float32 and bfloat16, on the 0.5B shape drafting for itself
-            and with the 1.5B shape's drafter
+  equality  greedy speculative == plain, float32, bfloat16 and bfloat16 batch invariant, on the
+            0.5B shape drafting for itself and with the 1.5B shape's drafter
 Run it on the GPU machine with the tokenizer files of the Qwen2.5 packs in --tokenizer:
   python benchmarks/gpu_bench.py --tokenizer .gpu/tokenizer --out results/h200/h200.json
 On a CPU, ``--dry-run`` runs every stage on tiny shapes in seconds (no figures worth keeping).
@@ -236,14 +239,16 @@ def pair_spec(draft_dir: str, rates: list[float] | None, max_k: int = 5) -> dict
     return spec
 
 
-def grid_of(report: Report, engine: Engine, target: str, args) -> dict[int, dict[int, float]]:
+def grid_of(
+    report: Report, engine: Engine, target: str, args, batch_sizes: list[int] | None = None, stage: str = ""
+) -> dict[int, dict[int, float]]:
     """ITL(bs, K) of the pair (synthetic acceptance: every row drafts and is timed at its K), the
     drafter's pass at batch 1, and a K=0 step against the plain target's."""
-    batch_sizes = [b for b in args.itl_batch_sizes if b <= engine.config.max_num_seqs]
+    batch_sizes = [b for b in batch_sizes or args.itl_batch_sizes if b <= engine.config.max_num_seqs]
     settings = ProfileSettings(batch_sizes=batch_sizes, max_k=5, rounds=2, measured_steps=4, revisits=0)
     timings = []
     grid = measure_itl(engine, prompts(max(batch_sizes), 64), settings, progress=False, timings=timings)
-    stage = f"pair_{target}"
+    stage = stage or f"pair_{target}"
     report.put(stage, "itl_ms", {str(b): row for b, row in grid.items()})
     passes = [p.ms for t in timings for p in t.draft_passes if p.rows == 1 and p.extra_tokens == 0]
     if passes:
@@ -270,6 +275,30 @@ def kernel_profile(engine: Engine) -> str:
             engine.step()
     engine.abort(request.request_id)
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+
+
+def stage_invariant(report: Report, dirs: dict, args) -> None:
+    """The step as it is, then batch invariant (each engine captures its graphs with its setting)."""
+    deadline = Deadline(args.stage_s["invariant"])
+    for label in args.invariant_variants:
+        if deadline.over():
+            break
+        on = label == "on"
+        stage = f"invariant_{label}"
+        spec = pair_spec(dirs["qwen2.5-0.5b"], RATES["code_pair"])
+        engine = make_engine(dirs["qwen2.5-1.5b"], spec=spec, max_num_seqs=8, batch_invariant=on)
+        grid_of(report, engine, "qwen2.5-1.5b", args, batch_sizes=[1, 4], stage=stage)
+        report.put(stage, "kernel_profile_k5_bs1", kernel_profile(engine))
+        free(engine)
+        plain = make_engine(dirs["qwen2.5-7b"], max_num_seqs=8, batch_invariant=on)
+        for bs in (1, 8):
+            report.put(
+                stage, f"plain7_ms_bs{bs}", round(statistics.median(decode_ms(plain, bs, steps=30)), 4)
+            )
+        free(plain)
+        print(
+            stage, {k: v for k, v in report.data["stages"][stage].items() if "profile" not in k}, flush=True
+        )
 
 
 def stage_pair15(report: Report, dirs: dict, args) -> None:
@@ -302,29 +331,34 @@ def stage_pair7(report: Report, dirs: dict, args) -> None:
     report.put("pair_qwen2.5-7b", "k0_over_plain_bs1", round(medians["k0"] / medians["plain"], 4))
     free(plain)
     report.put("pair_qwen2.5-7b", "kernel_profile_k5_bs1", kernel_profile(engine))
+    policies_of = {}
     for rate_name, rates in RATES.items():
-        engine.set_synthetic_acceptance(rates)
         table = derive_table(rates, stats, 5, engine.config.max_num_seqs)
         profile = Profile(5, rates, stats, num_speculative_tokens_per_batch_size=table)
         report.put("sweep", f"{rate_name}_table", table)
-        policies = {"none": lambda: FixedK(0)} | k_policies([1, 3, 5], profile, 5, hysteresis_steps=2)
-        rows = report.data["stages"].get("sweep", {}).get(rate_name, [])
-        for c in args.concurrencies:
+        policies_of[rate_name] = {"none": lambda: FixedK(0)} | k_policies(
+            [1, 3, 5], profile, 5, hysteresis_steps=2
+        )
+    params = SamplingParams(max_tokens=args.sweep_tokens, temperature=0.0, ignore_eos=True)
+    for c in args.concurrencies:  # every rate set at a concurrency before the next one
+        for rate_name, rates in RATES.items():
             if deadline.over():
                 break
-            params = SamplingParams(max_tokens=args.sweep_tokens, temperature=0.0, ignore_eos=True)
-            for name, make in policies.items():
-                engine.set_k_policy(make())
-                wall, requests, _ = closed_loop(engine, prompts(max(c, 4), 64, seed=c), c, params)
-                tokens = sum(len(r.output_token_ids) for r in requests)
-                rows.append({"concurrency": c, "config": name, "tok_s": round(tokens / wall, 1)})
+            engine.set_synthetic_acceptance(rates)
+            policies = policies_of[rate_name]
+            runs: dict[str, list[float]] = {name: [] for name in policies}
+            for r in range(args.sweep_rounds):  # ABBA: each round reverses the order
+                for name in list(policies) if r % 2 == 0 else reversed(list(policies)):
+                    engine.set_k_policy(policies[name]())
+                    wall, requests, _ = closed_loop(engine, prompts(max(c, 4), 64, seed=c), c, params)
+                    runs[name].append(sum(len(q.output_token_ids) for q in requests) / wall)
+            rows = report.data["stages"].get("sweep", {}).get(rate_name, [])
+            for name, values in runs.items():
+                mean = statistics.fmean(values)
+                rows.append({"concurrency": c, "config": name, "tok_s": round(mean, 1), "runs": values})
             report.put("sweep", rate_name, rows)
             print(
-                "sweep",
-                rate_name,
-                c,
-                {r["config"]: r["tok_s"] for r in rows if r["concurrency"] == c},
-                flush=True,
+                "sweep", rate_name, c, {n: round(statistics.fmean(v), 1) for n, v in runs.items()}, flush=True
             )
     free(engine)
 
@@ -333,15 +367,20 @@ def stage_equality(report: Report, dirs: dict, args) -> None:
     deadline = Deadline(args.stage_s["equality"])
     target = dirs["qwen2.5-0.5b"]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    for dtype in ("float32", "bfloat16"):
-        engine = make_engine(target, dtype=dtype, max_num_seqs=8, kv_cache_memory_gb=1.0)
+    # bf16 as it is: cuBLAS picks its kernels by row count, so a verify pass's rows need not round
+    # as a plain step's; then batch invariant
+    runs = [("float32", False, ""), ("bfloat16", False, ""), ("bfloat16", True, "_batch_invariant")]
+    for dtype, on, suffix in runs:
+        engine = make_engine(target, dtype=dtype, max_num_seqs=8, kv_cache_memory_gb=1.0, batch_invariant=on)
         plain = [o for o in run_all(engine, prompts(8, 32, seed=7), params)]
         free(engine)
-        for drafter in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+        for drafter in args.equality_drafters:
             if deadline.over():
                 return
             spec = pair_spec(dirs[drafter], None, max_k=4)
-            engine = make_engine(target, dtype=dtype, spec=spec, max_num_seqs=8, kv_cache_memory_gb=1.0)
+            engine = make_engine(
+                target, dtype=dtype, spec=spec, max_num_seqs=8, kv_cache_memory_gb=1.0, batch_invariant=on
+            )
             out = run_all(engine, prompts(8, 32, seed=7), params)
             firsts = [
                 next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(out, plain)
@@ -352,9 +391,10 @@ def stage_equality(report: Report, dirs: dict, args) -> None:
                 "of": len(firsts),
                 "first_differences": firsts,
                 "acceptance_rate": stats.get("acceptance_rate"),
+                "batch_invariant": on,
             }
-            report.put("equality", f"{dtype}_{drafter}", result)
-            print("equality", dtype, drafter, result, flush=True)
+            report.put("equality", f"{dtype}_{drafter}{suffix}", result)
+            print("equality", dtype, drafter, suffix, result, flush=True)
             free(engine)
 
 
@@ -367,12 +407,13 @@ def run_all(engine: Engine, ps: list, params) -> list[list[int]]:
 
 STAGES = {
     "env": stage_env,
+    "invariant": stage_invariant,
     "plain": stage_plain,
     "pair15": stage_pair15,
     "pair7": stage_pair7,
     "equality": stage_equality,
 }
-STAGE_S = {"plain": 90, "pair7": 200, "equality": 60}
+STAGE_S = {"invariant": 120, "plain": 90, "pair7": 200, "equality": 60}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,6 +426,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--itl-batch-sizes", default="1,4,16,64,256")
     ap.add_argument("--concurrencies", default="1,4,16,64,256")
     ap.add_argument("--sweep-tokens", type=int, default=96)
+    ap.add_argument(
+        "--sweep-rounds", type=int, default=1, help="runs of each sweep cell, configurations interleaved"
+    )
+    ap.add_argument(
+        "--stage-s", dest="stage_limits", default="", help="time limits, e.g. plain=30,pair7=150 (seconds)"
+    )
+    ap.add_argument("--invariant-variants", default="off,on", help="the invariant stage's: off, on or both")
+    ap.add_argument("--equality-drafters", default="qwen2.5-0.5b,qwen2.5-1.5b")
     ap.add_argument("--plot", help="PNG of the ITL grids and the sweeps (after the run)")
     ap.add_argument("--plot-from", nargs="+", metavar="JSON", help="run nothing: plot saved runs (merged)")
     args = ap.parse_args(argv)
@@ -401,6 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     args.itl_batch_sizes = [int(b) for b in args.itl_batch_sizes.split(",")]
     args.concurrencies = [int(b) for b in args.concurrencies.split(",")]
     args.stage_s = dict(STAGE_S)
+    for item in filter(None, args.stage_limits.split(",")):
+        name, _, seconds = item.partition("=")
+        args.stage_s[name] = float(seconds)
+    args.invariant_variants = args.invariant_variants.split(",")
+    args.equality_drafters = args.equality_drafters.split(",")
     if args.dry_run:
         args.batch_sizes, args.itl_batch_sizes, args.concurrencies = [1, 4], [1, 4], [1, 4]
         args.sweep_tokens = 8

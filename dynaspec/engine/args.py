@@ -42,6 +42,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
         action="store_true",
         help="no CUDA graphs: decode steps on fixed shapes run eagerly (CUDA; graphs are the default there)",
     )
+    g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="fixed-shape steps whose rows do not depend on each other: greedy speculation equals plain "
+        "decoding in bfloat16 too (CUDA; slower)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -57,6 +63,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant,
     )
 
 

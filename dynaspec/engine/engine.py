@@ -23,6 +23,7 @@ from dynaspec.engine.static_pass import StepClock
 from dynaspec.engine.types import KPolicy, StepRecord, StepTiming
 from dynaspec.kpolicy.config import SpeculativeConfig
 from dynaspec.kpolicy.policy import FixedK, make_policy
+from dynaspec.models import fused_ops
 from dynaspec.models.build import QUANTIZATIONS, effective_quantization
 from dynaspec.models.loader import DTYPES, compute_dtypes, load_model, resolve_model
 from dynaspec.models.tokenizer import IncrementalDetokenizer
@@ -60,6 +61,9 @@ class EngineConfig:
     # decode-only steps on fixed shapes (engine/static_pass.py): None = on CUDA only
     static_decode: bool | None = None
     enforce_eager: bool = False  # vLLM's flag: no CUDA graphs (the fixed-shape steps run eagerly)
+    # fixed-shape steps whose rows do not depend on each other (models/fused_ops.py BATCH_INVARIANT,
+    # process-wide): greedy speculation equals plain decoding in bfloat16 too, at a cost on the GPU
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -162,6 +166,7 @@ class Engine:
         # not lossless: drafts accepted at given rates whatever the tokens (benchmarks with dummy weights)
         self._synthetic: SyntheticAcceptance | None = None
         self.set_synthetic_acceptance(rates)
+        fused_ops.BATCH_INVARIANT = self.config.batch_invariant
         self.graph_stats = self._enable_static()
         self.scheduler = Scheduler(
             self.allocator,

@@ -23,6 +23,7 @@ from dynaspec.engine.static_pass import (
 )
 from dynaspec.engine.types import Drafts, PromptLogits, SchedulePlan, TargetLogits
 from dynaspec.heap import reuse_freed_memory
+from dynaspec.models import fused_ops
 from dynaspec.models.attention import AttentionMetadata, DecodeMetadata, build_attention_metadata
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.qlinear import kernel_error
@@ -257,6 +258,8 @@ def head_into(model: LlamaModel, hidden: torch.Tensor, out: torch.Tensor) -> tor
     tensor where the head is a plain matrix)."""
     head = model.lm_head
     if isinstance(head, nn.Linear) and head.bias is None and head.weight.dtype == hidden.dtype:
+        if fused_ops.skinny_takes(hidden, head.weight):  # few rows: rows independent of each other
+            return fused_ops.linear(hidden, head.weight, out=out)
         return torch.mm(hidden, head.weight.t(), out=out)
     return out.copy_(head(hidden))
 
@@ -323,10 +326,9 @@ class StaticChain:
                 meta = DecodeMetadata(slots, table, seq_lens, 1, block_size, window)
                 ids = self.tokens[:rows, j - 1]
                 hidden = self.model.forward_decode(ids, v["next_positions"][j - 1], caches, meta)
-            logits = self.model.compute_logits(hidden)  # [rows, vocab] float32
-            top = torch.softmax(logits, -1).max(-1)
-            self.tokens[:rows, j] = top.indices
-            self.confidence[:rows, j] = top.values
+            ids, prob = fused_ops.top1(self.model.decode_logits(hidden))  # [rows] each
+            self.tokens[:rows, j] = ids
+            self.confidence[:rows, j] = prob
 
     def capture(self, pool) -> None:
         """Graphs for every bucket and K, largest first, into ``pool``."""

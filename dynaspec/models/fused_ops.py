@@ -13,11 +13,24 @@ CUDA graph can capture them.
 - ``paged_attention``: decode/verify attention over a block table (flash-decoding: each program
   reads a split of one sequence's keys once for all its query rows and all query heads of a KV head,
   a second kernel merges the splits).
+- ``linear`` / ``norm_linear`` / ``silu_linear``: a projection of few rows as one weight-streaming
+  kernel, the RMSNorm (after a residual add) or the SiLU-mul that feeds it computed on the fly.
+- ``top1``: each row's most likely token and its probability (softmax max) in two small kernels.
+
+``BATCH_INVARIANT`` (off by default; ``EngineConfig.batch_invariant`` sets it for the process):
+each row's result is then bitwise the same whatever the rows beside it, so a verify pass of K + 1
+rows a request computes a plain step's numbers and greedy speculation equals plain decoding in
+bfloat16 too. Projections of up to ``SKINNY_MAX_ROWS`` rows run the kernel above in 16-row tiles
+with a reduction order fixed by the shape (off: cuBLAS, whose kernel choice follows the rows), and
+attention cuts its key splits at fixed positions (from the block table's capacity) and its rows
+into 16-row tiles (off: splits that fill the GPU for the batch at hand, one tile for all rows).
+On the H200 it costs a 7B step at batch 1 about 2.3x (results/README.md, the GPU section).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -29,6 +42,8 @@ try:
 except ImportError:
     triton = None
 
+log = logging.getLogger(__name__)
+
 # kernels were built for the interpreter (CPU tensors): TRITON_INTERPRET is read when they are defined
 _INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "0") == "1"
 # keys a paged-attention program handles per step of its loop
@@ -37,6 +52,20 @@ _ATTN_BLOCK_N = 64
 _ATTN_MAX_SPLITS = 64
 # SMs assumed when the device does not say (the interpreter): an H100's
 _DEFAULT_SMS = 132
+# keys a split holds at least (splits are cut from the block table's capacity, not the lengths)
+_ATTN_SPLIT_KEYS = 256
+# rows a skinny projection's tile holds: every row goes through the same 16-row MMA, so a row's
+# result is the same whatever the other rows
+_SKINNY_BLOCK_M = 16
+# the most rows ``linear`` and its fused forms give their kernel when BATCH_INVARIANT is on (more:
+# the twin, i.e. cuBLAS)
+SKINNY_MAX_ROWS = 64
+# rows and splits that do not depend on the batch (see the module's docstring); process-wide
+BATCH_INVARIANT = False
+# (BLOCK_N, BLOCK_K, warps, stages) for every projection instead of ``_skinny_config``'s (benchmarks)
+SKINNY_CONFIG: tuple[int, int, int, int] | None = None
+# vocabulary entries a ``top1`` program scans
+_TOP1_BLOCK = 2048
 
 
 def triton_enabled(x: torch.Tensor) -> bool:
@@ -278,16 +307,21 @@ def paged_attention(
     if n == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
+    capacity = block_table.shape[1] * block_size
+    invariant = BATCH_INVARIANT and window is None
     if num_splits is None:
-        num_splits = _attention_splits(b, hk, block_table.shape[1] * block_size, q.device)
-    block_m = max(16, triton.next_power_of_2(query_len * group))
+        num_splits, split_keys = _attention_splits(b, hk, capacity, q.device, not invariant)
+    else:
+        split_keys = triton.cdiv(triton.cdiv(capacity, num_splits), _ATTN_BLOCK_N) * _ATTN_BLOCK_N
+    block_m = _SKINNY_BLOCK_M if invariant else max(16, triton.next_power_of_2(query_len * group))
+    row_tiles = triton.cdiv(query_len * group, block_m)
     block_d = triton.next_power_of_2(d)
     if num_splits > 1:
         mid_o = torch.empty((n, hq, num_splits, d), dtype=torch.float32, device=q.device)
         mid_ml = torch.empty((2, n, hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_ml = out
-    _paged_attention_kernel[(b, hk, num_splits)](
+    _paged_attention_kernel[(b, hk * row_tiles, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -307,17 +341,21 @@ def paged_attention(
         block_table.shape[1],
         query_len,
         group,
+        hq,
+        row_tiles,
         block_size,
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2
         window if window is not None else 0,
         sink_tokens,
         num_splits,
+        split_keys,
         d,
         n * hq * num_splits,
         BLOCK_M=block_m,
         BLOCK_N=_ATTN_BLOCK_N,
         BLOCK_D=block_d,
         WINDOW=window is not None,
+        FIXED_SPLITS=invariant,
         ONE_SPLIT=num_splits == 1,
         DOT_F32=q.dtype == torch.float32 or _INTERPRET,
         num_warps=4,
@@ -378,6 +416,266 @@ def paged_attention_twin(
     return out.reshape(n, hq, d).to(q.dtype)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Projections of few rows (decode, verify, a drafter's chain)
+
+
+def skinny_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` and its fused forms run their kernel for ``x`` [rows, in] and ``weight``
+    [out, in] (else their twins: cuBLAS)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (
+        triton_enabled(x)
+        and BATCH_INVARIANT
+        and 0 < rows <= SKINNY_MAX_ROWS
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+        and weight.device == x.device
+    )
+
+
+def linear(
+    x: torch.Tensor,  # [n, in]
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None = None,  # [out]
+    out: torch.Tensor | None = None,  # [n, out] contiguous, x.dtype: written instead of a new tensor
+) -> torch.Tensor:  # [n, out] x.dtype
+    if not skinny_takes(x, weight):
+        y = linear_twin(x, weight, bias)
+        return y if out is None else out.copy_(y)
+    return _skinny_launch(x, None, None, 0.0, weight, bias, prologue=0, out=out)[1]
+
+
+def norm_linear(
+    x: torch.Tensor,  # [n, in]
+    residual: torch.Tensor | None,  # [n, in]; None: no residual add
+    norm_weight: torch.Tensor,  # [in]
+    eps: float,
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None = None,  # [out]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (x + residual, or x; the projection of its RMSNorm [n, out])
+    if not skinny_takes(x, weight):
+        return norm_linear_twin(x, residual, norm_weight, eps, weight, bias)
+    return _skinny_launch(x, residual, norm_weight, eps, weight, bias, prologue=1)
+
+
+def silu_linear(
+    gate_up: torch.Tensor,  # [n, 2 * in]
+    weight: torch.Tensor,  # [out, in]
+) -> torch.Tensor:  # [n, out]: the projection of silu(gate) * up
+    if not skinny_takes(gate_up, weight):
+        return silu_linear_twin(gate_up, weight)
+    return _skinny_launch(gate_up, None, None, 0.0, weight, None, prologue=2)[1]
+
+
+def linear_twin(
+    x: torch.Tensor,  # [n, in]
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [n, out]
+    return F.linear(x, weight, bias)
+
+
+def norm_linear_twin(
+    x: torch.Tensor,  # [n, in]
+    residual: torch.Tensor | None,  # [n, in]
+    norm_weight: torch.Tensor,  # [in]
+    eps: float,
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([n, in], [n, out])
+    if residual is None:
+        total, h = x, rms_norm(x, norm_weight, eps)
+    else:
+        total, h = add_rms_norm(x, residual, norm_weight, eps)
+    return total, F.linear(h, weight, bias)
+
+
+def silu_linear_twin(
+    gate_up: torch.Tensor,  # [n, 2 * in]
+    weight: torch.Tensor,  # [out, in]
+) -> torch.Tensor:  # [n, out]
+    return F.linear(silu_mul(gate_up), weight)
+
+
+def _skinny_launch(
+    x: torch.Tensor,  # [n, in] (prologue 2: [n, 2 * in])
+    residual: torch.Tensor | None,  # [n, in]
+    norm_weight: torch.Tensor | None,  # [in]
+    eps: float,
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None,  # [out]
+    prologue: int,  # 0: x as it is; 1: RMSNorm of x (+ residual); 2: silu(gate) * up
+    out: torch.Tensor | None = None,  # [n, out] contiguous
+) -> tuple[torch.Tensor, torch.Tensor]:  # (the residual sum, or x; the projection [n, out])
+    shape = x.shape
+    x2 = _rows(x)
+    n, k = x2.shape[0], weight.shape[1]
+    out_features = weight.shape[0]
+    y = torch.empty(n, out_features, dtype=x.dtype, device=x.device) if out is None else out
+    total = x
+    res2 = x2
+    if residual is not None:
+        res2 = _rows(residual)
+        total = torch.empty(shape, dtype=x.dtype, device=x.device)
+    norm_weight = norm_weight if norm_weight is not None else weight
+    bias_or = bias if bias is not None else weight
+
+    def launch(config: tuple[int, int, int, int], x2=x2, res2=res2, y=y, total=total, n=n) -> None:
+        block_n, block_k, warps, stages = config
+        row_tiles = triton.cdiv(n, _SKINNY_BLOCK_M)
+        _skinny_kernel[(row_tiles * triton.cdiv(out_features, block_n),)](
+            x2,
+            res2,
+            norm_weight,
+            weight,
+            bias_or,
+            y,
+            total,
+            n,
+            out_features,
+            k,
+            x2.stride(0),
+            res2.stride(0),
+            weight.stride(0),
+            row_tiles,
+            eps,
+            PROLOGUE=prologue,
+            HAS_RES=residual is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=_SKINNY_BLOCK_M,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            DOT_F32=x.dtype == torch.float32 or _INTERPRET,
+            num_warps=warps,
+            num_stages=stages,
+        )
+
+    def trial(config: tuple[int, int, int, int]) -> None:  # one row, into scratch outputs
+        scratch_total = torch.empty_like(total[:1].reshape(1, -1)) if residual is not None else x2[:1]
+        launch(config, x2[:1], res2[:1], torch.empty_like(y[:1]), scratch_total, 1)
+
+    key = (prologue, residual is not None, bias is not None, x.dtype)
+    launch(_skinny_config(out_features, k, x.device, key, trial))
+    return total, y if len(shape) == 2 else y.view(*shape[:-1], out_features)
+
+
+def _skinny_heuristic(out_features: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages): output tiles as wide as still give every SM two programs
+    (16 at least), the reduction in chunks of 256 where it is long."""
+    want = 2 * _sm_count(device)
+    block_n = 16
+    for candidate in (128, 64, 32):
+        if triton.cdiv(out_features, candidate) >= want:
+            block_n = candidate
+            break
+    block_k = 256 if k >= 2048 else 128
+    return block_n, min(block_k, triton.next_power_of_2(k)), 4, 3
+
+
+def _skinny_candidates(out_features: int, k: int, device: torch.device) -> list[tuple[int, int, int, int]]:
+    """The heuristic's config, the other reduction chunk, and narrower tiles with a deeper pipeline."""
+    block_n, block_k, warps, stages = _skinny_heuristic(out_features, k, device)
+    other_k = min(384 - block_k, triton.next_power_of_2(k))
+    out = [
+        (block_n, block_k, warps, stages),
+        (block_n, other_k, warps, stages),
+        (max(16, block_n // 2), block_k, 4, 4),
+    ]
+    return list(dict.fromkeys(out))
+
+
+# (out, in, prologue, residual, bias, dtype, device) -> the config a projection of that shape runs with
+_SKINNY_CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _skinny_config(
+    out_features: int,
+    k: int,
+    device: torch.device,
+    key: tuple = (),
+    run=None,  # config -> None: one call of the projection with that config (for timing)
+) -> tuple[int, int, int, int]:
+    """The projection's kernel config. On CUDA each shape's candidates are timed once (one row,
+    replayed in a CUDA graph) the first time the shape runs outside a capture, and the fastest is
+    kept for every later call, whatever its rows: the choice depends on the shape alone, never on
+    the rows, so the reduction order (and each row's result) does not."""
+    if SKINNY_CONFIG is not None:
+        return SKINNY_CONFIG
+    full = (out_features, k, *key, device)
+    chosen = _SKINNY_CHOSEN.get(full)
+    if chosen is None:
+        chosen = _skinny_heuristic(out_features, k, device)
+        if device.type == "cuda" and run is not None and not torch.cuda.is_current_stream_capturing():
+            chosen = _time_candidates(_skinny_candidates(out_features, k, device), run) or chosen
+        _SKINNY_CHOSEN[full] = chosen
+    return chosen
+
+
+def _time_candidates(candidates: list[tuple[int, int, int, int]], run) -> tuple[int, int, int, int] | None:
+    """The candidate whose calls replay fastest in a CUDA graph (10 calls, best of 5 replays), or
+    None when timing fails (the heuristic's config is used, with a warning)."""
+    best, best_ms = None, float("inf")
+    try:
+        for config in candidates:
+            run(config)  # compiles outside the capture
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                run(config)
+                with torch.cuda.graph(graph, stream=stream):
+                    for _ in range(10):
+                        run(config)
+            torch.cuda.current_stream().wait_stream(stream)
+            times = []
+            for _ in range(5):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            if min(times) < best_ms:
+                best, best_ms = config, min(times)
+    except Exception as err:  # a config that fails to build or capture: keep the heuristic's
+        log.warning("skinny projection tuning failed (%s); the heuristic config is used", err)
+        return None
+    return best
+
+
+# ---------------------------------------------------------------------------------------------------
+# The most likely token and its probability
+
+
+def top1(
+    logits: torch.Tensor,  # [n, vocab] any float dtype
+) -> tuple[torch.Tensor, torch.Tensor]:  # (ids [n] int64, softmax probability of each [n] float32)
+    """Each row's argmax and its softmax probability (float32 maths): the chain's drafts and their
+    confidence without a float32 copy of the logits or a softmax over them."""
+    if not triton_enabled(logits):
+        return top1_twin(logits)
+    x2 = _rows(logits)
+    n, vocab = x2.shape
+    blocks = triton.cdiv(vocab, _TOP1_BLOCK)
+    part = torch.empty((3, n, blocks), dtype=torch.float32, device=logits.device)
+    ids = torch.empty(n, dtype=torch.int64, device=logits.device)
+    prob = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if n > 0:
+        _top1_partial_kernel[(n, blocks)](x2, part, x2.stride(0), vocab, n * blocks, BLOCK=_TOP1_BLOCK)
+        _top1_merge_kernel[(n,)](part, ids, prob, blocks, n * blocks, BLOCK_S=triton.next_power_of_2(blocks))
+    return ids, prob
+
+
+def top1_twin(
+    logits: torch.Tensor,  # [n, vocab]
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([n] int64, [n] float32)
+    top = torch.softmax(logits.float(), -1).max(-1)
+    return top.indices, top.values
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -385,11 +683,18 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _attention_splits(b: int, hk: int, max_context: int, device: torch.device) -> int:
-    """Key splits per (sequence, KV head): enough programs to fill the SMs once, no more splits than
-    key tiles in the longest context the block table holds."""
+def _attention_splits(b: int, hk: int, capacity: int, device: torch.device, adapt: bool) -> tuple[int, int]:
+    """(key splits per (sequence, KV head), keys a split holds). Batch invariant (``adapt`` off):
+    the splits are cut at fixed key positions, from the block table's capacity alone (at least
+    ``_ATTN_SPLIT_KEYS`` keys each), so a row's keys meet in the same order whatever the batch,
+    its length or the query length. Else the splits divide each sequence's visible span: enough
+    programs to fill the SMs once (keys a split holds: 0, computed by the kernel)."""
+    if not adapt:
+        keys = triton.cdiv(triton.cdiv(capacity, _ATTN_MAX_SPLITS), _ATTN_BLOCK_N) * _ATTN_BLOCK_N
+        keys = max(_ATTN_SPLIT_KEYS, keys)
+        return triton.cdiv(capacity, keys), keys
     want = triton.cdiv(_sm_count(device), b * hk)
-    return max(1, min(want, triton.cdiv(max_context, _ATTN_BLOCK_N), _ATTN_MAX_SPLITS))
+    return max(1, min(want, triton.cdiv(capacity, _ATTN_BLOCK_N), _ATTN_MAX_SPLITS)), 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -537,11 +842,14 @@ if triton is not None:
         max_blocks,
         query_len,
         group,
+        hq,
+        row_tiles,
         block_size,
         scale_log2,
         window,
         sink,
         num_splits,
+        split_keys,
         head_dim,
         ml_plane,
         BLOCK_M: tl.constexpr,
@@ -550,14 +858,17 @@ if triton is not None:
         WINDOW: tl.constexpr,
         ONE_SPLIT: tl.constexpr,
         DOT_F32: tl.constexpr,
+        FIXED_SPLITS: tl.constexpr,
     ):
-        """One program per (sequence, KV head, split): rows are (query j, head of the group) pairs,
-        so each K/V tile is read once for all of them. Keys are numbered over the visible span (the
-        sinks, then from the first key any query's window reaches), cut into equal splits."""
+        """One program per (sequence, KV head and tile of BLOCK_M rows, split): rows are (query j,
+        head of the group) pairs, so each K/V tile is read once for BLOCK_M of them. Keys are
+        numbered over the visible span (the sinks, then from the first key any query's window
+        reaches); with FIXED_SPLITS the splits hold ``split_keys`` keys each, else the span is cut
+        into equal splits."""
         seq = tl.program_id(0)
-        kvh = tl.program_id(1)
+        kvh = tl.program_id(1) // row_tiles
+        rows = (tl.program_id(1) % row_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
-        rows = tl.arange(0, BLOCK_M)
         row_ok = rows < query_len * group
         j = rows // group
         head = kvh * group + rows % group
@@ -580,7 +891,9 @@ if triton is not None:
             lo = tl.where(gap, first, 0)
             n_sink = tl.where(gap, sink, 0)
         count = n_sink + n_keys - lo
-        split_len = tl.cdiv(tl.cdiv(count, num_splits), BLOCK_N) * BLOCK_N
+        split_len = split_keys
+        if not FIXED_SPLITS:
+            split_len = tl.cdiv(tl.cdiv(count, num_splits), BLOCK_N) * BLOCK_N
         start = split * split_len
         end = tl.minimum(start + split_len, count)
 
@@ -611,7 +924,6 @@ if triton is not None:
             acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_F32)
             m_i = m_new
 
-        hq = group * tl.num_programs(1)
         out_mask = row_ok[:, None] & d_ok[None, :]
         if ONE_SPLIT:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -650,3 +962,129 @@ if triton is not None:
         total = tl.sum(l_s * w, axis=0)
         o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + row * head_dim + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+    @triton.jit
+    def _skinny_kernel(
+        x_ptr,  # [n, in] (PROLOGUE 2: [n, 2 * in])
+        r_ptr,  # [n, in] residual (x_ptr when HAS_RES is off)
+        nw_ptr,  # [in] RMSNorm weight (PROLOGUE 1)
+        w_ptr,  # [out, in]
+        b_ptr,  # [out]
+        y_ptr,  # [n, out] contiguous
+        sum_ptr,  # [n, in] contiguous: x + residual (HAS_RES)
+        n,
+        n_out,
+        k_dim,
+        sx,
+        sr,
+        sw,
+        row_tiles,
+        eps,
+        PROLOGUE: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
+        """One program per (tile of BLOCK_N outputs, tile of BLOCK_M rows), the row tiles of one
+        output tile next to each other (they read the same weights, from L2 after the first). The
+        input is made on the fly: as it is, the RMSNorm of x (+ residual; the first output tile's
+        programs store the sum), or silu(gate) * up, rounded to x's dtype as the twins round it."""
+        pid = tl.program_id(0)
+        row_tile = pid % row_tiles
+        col_tile = pid // row_tiles
+        rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n
+        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_out
+        kk = tl.arange(0, BLOCK_K)
+        rows64 = rows.to(tl.int64)
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+        if PROLOGUE == 1:
+            ss = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, k_dim, BLOCK_K):
+                m = row_ok[:, None] & (k0 + kk < k_dim)[None, :]
+                a = tl.load(x_ptr + rows64[:, None] * sx + (k0 + kk)[None, :], mask=m, other=0.0)
+                if HAS_RES:
+                    r = tl.load(r_ptr + rows64[:, None] * sr + (k0 + kk)[None, :], mask=m, other=0.0)
+                    a = (a.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                af = a.to(tl.float32)
+                ss += tl.sum(af * af, axis=1)
+            rstd = tl.math.rsqrt(ss / k_dim + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, k_dim, BLOCK_K):
+            k_ok = k0 + kk < k_dim
+            m = row_ok[:, None] & k_ok[None, :]
+            if PROLOGUE == 2:
+                src = x_ptr + rows64[:, None] * sx + (k0 + kk)[None, :]
+                g = tl.load(src, mask=m, other=0.0).to(tl.float32)
+                u = tl.load(src + k_dim, mask=m, other=0.0).to(tl.float32)
+                a = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty)
+            else:
+                a = tl.load(x_ptr + rows64[:, None] * sx + (k0 + kk)[None, :], mask=m, other=0.0)
+                if PROLOGUE == 1:
+                    if HAS_RES:
+                        r = tl.load(r_ptr + rows64[:, None] * sr + (k0 + kk)[None, :], mask=m, other=0.0)
+                        a = (a.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                        if col_tile == 0:
+                            tl.store(sum_ptr + rows64[:, None] * k_dim + (k0 + kk)[None, :], a, mask=m)
+                    nw = tl.load(nw_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+                    a = (nw[None, :] * (a.to(tl.float32) * rstd[:, None])).to(x_ptr.dtype.element_ty)
+            w = tl.load(
+                w_ptr + cols.to(tl.int64)[:, None] * sw + (k0 + kk)[None, :],
+                mask=col_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            acc += _dot(a, tl.trans(w), DOT_F32)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            y_ptr + rows64[:, None] * n_out + cols[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
+
+    @triton.jit
+    def _top1_partial_kernel(
+        x_ptr,  # [n, vocab]
+        part_ptr,  # [3, n, blocks] float32: each block's max, its first index, sum of exp(x - max)
+        sx,
+        vocab,
+        plane,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * sx + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        first = tl.min(tl.where(x == m, offs, vocab), axis=0)
+        total = tl.sum(tl.exp(x - m), axis=0)
+        at = row * tl.num_programs(1) + blk
+        tl.store(part_ptr + at, m)
+        tl.store(part_ptr + plane + at, first.to(tl.float32))
+        tl.store(part_ptr + 2 * plane + at, total)
+
+    @triton.jit
+    def _top1_merge_kernel(
+        part_ptr,  # [3, n, blocks] float32
+        ids_ptr,  # [n] int64
+        prob_ptr,  # [n] float32
+        blocks,
+        plane,
+        BLOCK_S: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.arange(0, BLOCK_S)
+        ok = s < blocks
+        at = row * blocks + s
+        m = tl.load(part_ptr + at, mask=ok, other=float("-inf"))
+        first = tl.load(part_ptr + plane + at, mask=ok, other=3.0e38)
+        total = tl.load(part_ptr + 2 * plane + at, mask=ok, other=0.0)
+        top = tl.max(m, axis=0)
+        best = tl.min(tl.where(m == top, first, 3.0e38), axis=0)
+        z = tl.sum(total * tl.exp(m - top), axis=0)
+        tl.store(ids_ptr + row, best.to(tl.int64))
+        tl.store(prob_ptr + row, 1.0 / z)

@@ -158,16 +158,20 @@ class Attention(nn.Module):
 
     def decode(
         self,
-        x: torch.Tensor,  # [b * query_len, hidden]
+        qkv: torch.Tensor,  # [b * query_len, (heads + 2 * kv_heads) * head_dim]: the q/k/v projection
         cos: torch.Tensor,  # [b * query_len, head_dim] float32
         sin: torch.Tensor,  # [b * query_len, head_dim] float32
         k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
         meta: DecodeMetadata,
-    ) -> torch.Tensor:  # [b * query_len, hidden]
-        """``forward`` for a step of fixed shape, through the fused ops."""
-        n = x.shape[0]
-        q, k, v = self._qkv(x)
+    ) -> torch.Tensor:  # [b * query_len, heads * head_dim]: attention's output, before o_proj
+        """``forward``'s attention for a step of fixed shape, through the fused ops, from the q/k/v
+        projection (which ``LlamaModel.forward_decode`` fuses with the norm before it)."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = fused_ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps)
             k = fused_ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps)
@@ -186,7 +190,7 @@ class Attention(nn.Module):
             window=meta.window,
             sink_tokens=SINK_TOKENS,
         )
-        return self.o_proj(out.reshape(n, self.q_size))
+        return out.reshape(n, self.q_size)
 
 
 class MLP(nn.Module):
@@ -360,22 +364,61 @@ class LlamaModel(nn.Module):
         cos, sin = cos[:, 0], sin[:, 0]  # [n, head_dim]
         residual = None
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            norm = layer.input_layernorm
-            if residual is None:
-                residual, h = x, fused_ops.rms_norm(x, norm.weight, norm.eps)
-            else:
-                residual, h = fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-            h = layer.self_attn.decode(h, cos, sin, k_cache, v_cache, meta)
-            norm = layer.post_attention_layernorm
-            residual, h = fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps)
-            mlp = layer.mlp
-            x = mlp.down_proj(fused_ops.silu_mul(mlp.gate_up_proj(h)))
+            attn, mlp = layer.self_attn, layer.mlp
+            residual, qkv = _norm_project(x, residual, layer.input_layernorm, attn.qkv_proj)
+            x = _project(attn.decode(qkv, cos, sin, k_cache, v_cache, meta), attn.o_proj)
+            residual, gate_up = _norm_project(x, residual, layer.post_attention_layernorm, mlp.gate_up_proj)
+            x = _silu_project(gate_up, mlp.down_proj)
         norm = self.model.norm
         return fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)[1]
+
+    def decode_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] the head's dtype
+        """The head over a fixed-shape pass's rows, in the head's dtype (few rows: the skinny kernel,
+        whose rows do not depend on each other)."""
+        return _project(hidden, self.lm_head)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         return self.lm_head(hidden).float()
+
+
+def _plain(projection: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of a projection that is a plain matrix (fused_ops' projections take it), else
+    None (quantized or concatenated layers run as their modules)."""
+    if type(projection) in (Linear, nn.Linear):
+        return projection.weight, projection.bias
+    return None
+
+
+def _project(x: torch.Tensor, projection: nn.Module) -> torch.Tensor:
+    plain = _plain(projection)
+    return projection(x) if plain is None else fused_ops.linear(x, *plain)
+
+
+def _norm_project(
+    x: torch.Tensor,  # [n, d]
+    residual: torch.Tensor | None,  # [n, d]; None: x is the embedding
+    norm: RMSNorm,
+    projection: nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (the residual stream, the projection of its norm)
+    plain = _plain(projection)
+    if plain is not None:
+        return fused_ops.norm_linear(x, residual, norm.weight, norm.eps, *plain)
+    if residual is None:
+        return x, projection(fused_ops.rms_norm(x, norm.weight, norm.eps))
+    residual, h = fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    return residual, projection(h)
+
+
+def _silu_project(gate_up: torch.Tensor, projection: nn.Module) -> torch.Tensor:
+    plain = _plain(projection)
+    if plain is None:
+        return projection(fused_ops.silu_mul(gate_up))
+    return (
+        fused_ops.silu_linear(gate_up, plain[0])
+        if plain[1] is None
+        else _project(fused_ops.silu_mul(gate_up), projection)
+    )
 
 
 def _build_stack(model: LlamaModel):

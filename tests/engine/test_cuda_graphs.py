@@ -11,6 +11,7 @@ from support.tiny import cached_tiny_model_dir
 
 from dynaspec import SamplingParams
 from dynaspec.engine.engine import Engine, EngineConfig
+from dynaspec.models import fused_ops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -87,4 +88,28 @@ def test_seeded_sampled_speculation_on_cuda_emits_plain_decodings_tokens(dirs, m
     plain = run_staggered(engine(target, static_decode=False), PROMPTS, params, arrive_every=2)
     e = engine(target, speculative_config=spec)
     assert run_staggered(e, PROMPTS, params, arrive_every=2) == plain
+    assert e.stats()["spec"]["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", ["draft_model", "self"])
+def test_bf16_greedy_speculation_equals_plain(dirs, method, monkeypatch):
+    """In bfloat16 too, with ``batch_invariant``: the fixed-shape step's kernels round each row the
+    same whatever the rows beside it (few-row projections in 16-row tiles, attention splits at
+    fixed key positions), so a verify pass of K + 1 rows a request computes a plain step's
+    numbers. The prompts arrive together: one prefill, then fixed-shape steps only (a mixed step's
+    cuBLAS is not row invariant)."""
+    monkeypatch.setattr(fused_ops, "BATCH_INVARIANT", False)  # the engines set it; put back after
+    target, draft = dirs
+    drafter = str(draft if method == "draft_model" else target)
+    spec = {"method": "draft_model", "model": drafter, "num_speculative_tokens": 4}
+
+    def together(e: Engine) -> list[list[int]]:
+        requests = [e.add_request(p, GREEDY) for p in PROMPTS]
+        while e.has_unfinished():
+            e.step()
+        return [r.output_token_ids for r in requests]
+
+    plain = together(engine(target, dtype="bfloat16", batch_invariant=True))
+    e = engine(target, dtype="bfloat16", speculative_config=spec, batch_invariant=True)
+    assert together(e) == plain
     assert e.stats()["spec"]["num_draft_tokens"] > 0

@@ -60,7 +60,24 @@ needs_kernels = pytest.mark.skipif(
     reason="triton is not installed" if _MODE is None else "kernels run in a fresh interpreter",
 )
 needs_cuda = pytest.mark.skipif(not _CUDA, reason="needs CUDA")
+
+
+@pytest.fixture
+def invariant(monkeypatch):
+    """fused_ops.BATCH_INVARIANT on for the test."""
+    monkeypatch.setattr(fo, "BATCH_INVARIANT", True)
+
+
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _same_rows(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """Bitwise equal on CUDA (the kernels' rows do not depend on each other); close elsewhere (the
+    interpreter's tl.dot is numpy's matmul, whose result for a row can depend on its place)."""
+    if _CUDA:
+        assert torch.equal(actual, expected)
+    else:
+        _close(actual, expected, dtype)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -210,6 +227,7 @@ ATTENTION_CASES = [
     (3, 4, [37, 2, 21], 14, 2, 64, None, 2),
     (3, 4, [37, 2, 50], 12, 2, 128, 8, None),
     (1, 1, [45], 14, 2, 64, 8, 1),
+    (2, 3, [300, 5], 14, 2, 64, None, None),  # a capacity of 320 keys: two splits of 256
 ]
 
 
@@ -229,6 +247,95 @@ def test_paged_attention_kernel(dtype, b, query_len, ctx_lens, hq, hk, d, window
     _close(out, fo.paged_attention_twin(*args), dtype)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_kernel_rows_do_not_depend_on_the_batch(dtype, invariant):
+    """A query's output is bitwise the same alone (a plain step), as the first of a verify window
+    and beside other sequences: the splits are cut at fixed key positions, 16 rows a tile."""
+    torch.manual_seed(0)
+    block_size, d = 16, 64
+    q, k_cache, v_cache, block_table, _, _ = _attention_case(
+        2, 4, [300, 290], 14, 2, d, block_size, dtype, _DEVICE
+    )
+    args = (k_cache, v_cache, block_table)
+    # sequence 0 verifying positions 296..299 beside sequence 1 (its rows 0..3 of q)
+    window = fo.paged_attention(
+        q, *args, torch.tensor([300, 290], dtype=torch.int32, device=_DEVICE), 4, block_size, 0.125
+    )
+    # the same first query alone, as a plain step at position 296
+    alone = fo.paged_attention(
+        q[:1],
+        *args[:2],
+        block_table[:1],
+        torch.tensor([297], dtype=torch.int32, device=_DEVICE),
+        1,
+        block_size,
+        0.125,
+    )
+    _same_rows(window[:1], alone, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 6, 40])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_skinny_projection_kernels(dtype, rows, invariant):
+    """linear, norm_linear (with and without a residual, with a bias) and silu_linear against their
+    twins, and each row bitwise the same computed alone."""
+    torch.manual_seed(0)
+    k, n_out = 160, 200
+    x, residual = (torch.randn(rows, k, device=_DEVICE).to(dtype) for _ in range(2))
+    weight = (torch.randn(n_out, k, device=_DEVICE) * 0.1).to(dtype)
+    bias = torch.randn(n_out, device=_DEVICE).to(dtype)
+    norm_weight = (torch.rand(k, device=_DEVICE) + 0.5).to(dtype)
+    gate_up = torch.randn(rows, 2 * k, device=_DEVICE).to(dtype)
+
+    out = fo.linear(x, weight, bias)
+    assert out.shape == (rows, n_out) and out.dtype == dtype
+    _close(out, fo.linear_twin(x, weight, bias), dtype)
+    _same_rows(fo.linear(x[-1:], weight, bias), out[-1:], dtype)
+
+    for res in (None, residual):
+        total, out = fo.norm_linear(x, res, norm_weight, 1e-6, weight, bias)
+        ref_total, ref = fo.norm_linear_twin(x, res, norm_weight, 1e-6, weight, bias)
+        _close(total, ref_total, dtype)
+        _close(out, ref, dtype)
+        alone = fo.norm_linear(x[-1:], None if res is None else res[-1:], norm_weight, 1e-6, weight, bias)
+        _same_rows(alone[1], out[-1:], dtype)
+
+    out = fo.silu_linear(gate_up, weight)
+    _close(out, fo.silu_linear_twin(gate_up, weight), dtype)
+    _same_rows(fo.silu_linear(gate_up[-1:], weight), out[-1:], dtype)
+
+    written = torch.empty(rows, n_out, dtype=dtype, device=_DEVICE)
+    assert fo.linear(x, weight, out=written).data_ptr() == written.data_ptr()
+    _close(written, fo.linear_twin(x, weight), dtype)
+
+
+@needs_kernels
+def test_skinny_kernel_takes_few_rows_only_when_batch_invariant(monkeypatch):
+    x = torch.randn(fo.SKINNY_MAX_ROWS + 1, 32, device=_DEVICE)
+    weight = torch.randn(48, 32, device=_DEVICE)
+    assert not fo.skinny_takes(x[:1], weight)  # off by default: cuBLAS
+    monkeypatch.setattr(fo, "BATCH_INVARIANT", True)
+    assert fo.skinny_takes(x[:1], weight) and fo.skinny_takes(x[:-1], weight)
+    assert not fo.skinny_takes(x, weight)
+    assert not fo.skinny_takes(x[:1], weight.bfloat16())
+    assert torch.equal(fo.linear(x, weight), F.linear(x, weight))  # beyond the rows: the twin
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_top1_kernel(dtype):
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 5000, device=_DEVICE) * 3).to(dtype)
+    logits[1, 4321] = 40.0  # one certain row
+    ids, prob = fo.top1(logits)
+    ref_ids, ref_prob = fo.top1_twin(logits)
+    assert ids.dtype == torch.int64 and prob.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(prob, ref_prob, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(_MODE != "subprocess", reason="the kernel tests ran in this process, or cannot run")
 def test_kernels_in_interpreter_subprocess():
@@ -246,7 +353,7 @@ def test_kernels_in_interpreter_subprocess():
 
 @needs_cuda
 @pytest.mark.skipif(fo.triton is None, reason="triton is not installed")
-def test_each_op_replays_in_cuda_graph():
+def test_each_op_replays_in_cuda_graph(invariant):
     torch.manual_seed(0)
     dtype, dev = torch.bfloat16, "cuda"
     x, residual = torch.randn(4, 256, dtype=dtype, device=dev), torch.randn(4, 256, dtype=dtype, device=dev)
@@ -255,6 +362,9 @@ def test_each_op_replays_in_cuda_graph():
     q, k, v, cos, sin, slots = _rope_inputs(4, 14, 2, 64, dtype, dev)
     k_cache, v_cache = (torch.zeros(64, 2, 64, dtype=dtype, device=dev) for _ in range(2))
     qa, ka, va, block_table, seq_lens, _ = _attention_case(2, 3, [20, 40], 14, 2, 64, 16, dtype, dev)
+    proj = (torch.randn(300, 256, device=dev) * 0.1).to(dtype)
+    down = (torch.randn(256, 300, device=dev) * 0.1).to(dtype)
+    logits = torch.randn(4, 3000, dtype=dtype, device=dev)
 
     graphs = {
         "rms_norm": capture_graph(lambda: fo.rms_norm(x, weight, 1e-6)),
@@ -267,9 +377,13 @@ def test_each_op_replays_in_cuda_graph():
         "paged_attention_splits": capture_graph(
             lambda: fo.paged_attention(qa, ka, va, block_table, seq_lens, 3, 16, 64**-0.5, num_splits=3)
         ),
+        "linear": capture_graph(lambda: fo.linear(x, proj)),
+        "norm_linear": capture_graph(lambda: fo.norm_linear(x, residual, weight.to(dtype), 1e-6, proj)),
+        "silu_linear": capture_graph(lambda: fo.silu_linear(gate_up, down)),
+        "top1": capture_graph(lambda: fo.top1(logits)),
     }
     # new inputs in the same buffers, then replays without a host sync
-    for t in (x, residual, gate_up, q, k, v, qa):
+    for t in (x, residual, gate_up, q, k, v, qa, logits):
         t.copy_(torch.randn_like(t))
     slots.copy_(torch.tensor([5, -1, 9, 60], device=dev))
     seq_lens.copy_(torch.tensor([33, 2], dtype=torch.int32, device=dev))
@@ -296,6 +410,13 @@ def test_each_op_replays_in_cuda_graph():
     _close(graphs["paged_attention"][1], ref, dtype)
     ref = fo.paged_attention_twin(qa, ka, va, block_table, seq_lens, 3, 16, 64**-0.5)
     _close(graphs["paged_attention_splits"][1], ref, dtype)
+    _close(graphs["linear"][1], fo.linear_twin(x, proj), dtype)
+    for out, ref in zip(
+        graphs["norm_linear"][1], fo.norm_linear_twin(x, residual, weight.to(dtype), 1e-6, proj)
+    ):
+        _close(out, ref, dtype)
+    _close(graphs["silu_linear"][1], fo.silu_linear_twin(gate_up, down), dtype)
+    assert torch.equal(graphs["top1"][1][0], fo.top1_twin(logits)[0])
 
 
 # ---------------------------------------------------------------------------------------------------
