@@ -36,6 +36,10 @@ EVERY_N_UP_TO = 32  # loads up to this many requests price every count of drafti
 # loads up to this many requests get a K each (refine_drafts); a larger one, where one request's K
 # moves the step's goodput little and the search's host time grows with the load, the uniform K
 PER_REQUEST_UP_TO = 64
+# steps a choice is kept while the load is the same requests, all decoding and caught up: between
+# two choices only the acceptance estimates move (a few percent a step), and a choice's host time
+# (0.2-3 ms in Python at 1-64 requests) stalls a GPU whose step is 5-15 ms
+REDECIDE_EVERY = 4
 
 
 def peak_counts(bs: int, k: int, runs: list[int]) -> list[int]:
@@ -173,6 +177,7 @@ class GoodputK:
         min_confidence: float | None = None,
         explore_below: float = 4.0,
         source: str = "(given in memory)",
+        redecide_every: int = REDECIDE_EVERY,
         **estimate_kwargs,
     ) -> None:
         self.profile = profile
@@ -206,6 +211,9 @@ class GoodputK:
         self.explore_below = explore_below
         self.num_probes = 0  # steps where one request drafted only to measure acceptance
         self.num_withheld = 0  # request-steps kept from drafting because their catch-up would not pay
+        self.redecide_every = max(1, redecide_every)
+        self.num_reused = 0  # steps that kept the last choice (``REDECIDE_EVERY``)
+        self._kept: tuple[tuple, list[int], int] | None = None  # (load, drafts, steps kept)
 
     def itl(self, batch_size: int, k: int) -> float | None:
         """ITL(bs, K) in ms over the load's mean context (``self.context``): the profile's, moved
@@ -228,7 +236,22 @@ class GoodputK:
         return self._choose(load, explore=False)[0]
 
     def choose(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
-        return self._choose(candidates, explore=True)
+        """The step's K and each request's drafts. A choice is kept for up to ``redecide_every``
+        steps while the load is the same requests, all decoding and caught up (each request's kept
+        K cut to what it may still draft); any other load, a probe, or the last kept step decides
+        afresh."""
+        load = tuple((c.request_id, c.prompt_tokens, c.max_tokens) for c in candidates)
+        steady = all(c.decoding and c.unseen_tokens <= 1 for c in candidates)
+        kept = self._kept
+        if steady and kept is not None and kept[0] == load and kept[2] < self.redecide_every:
+            drafts = [min(d, max(0, c.tokens_left - 1)) for d, c in zip(kept[1], candidates)]
+            self._kept = (load, kept[1], kept[2] + 1)
+            self.num_reused += 1
+            return max(drafts, default=0), drafts
+        probes = self.num_probes
+        k, drafts = self._choose(candidates, explore=True)
+        self._kept = (load, drafts, 1) if steady and self.num_probes == probes else None
+        return k, drafts
 
     def _choose(self, candidates: Sequence[DraftCandidate], explore: bool) -> tuple[int, list[int]]:
         bs = self.load = len(candidates)
@@ -385,6 +408,7 @@ class GoodputK:
             "acceptance_rate_per_pos": [round(a, 4) for a in self.acceptance.rates()],
             "requests_withheld": self.num_withheld,
             "probes": self.num_probes,
+            "choices_kept": self.num_reused,
             "min_draft_confidence": round(self.min_draft_confidence(), 3),
             "acceptance_by_confidence": self.calibration.snapshot(),
             "cost_model": self.costs.snapshot(),

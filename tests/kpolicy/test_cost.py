@@ -9,7 +9,7 @@ from support.kpolicy import step_record
 
 from dynaspec.engine.types import DraftCandidate, StepTiming
 from dynaspec.kpolicy.cost import LiveScale, StepCostModel, fit_timings, prior_from_grid
-from dynaspec.kpolicy.goodput import GoodputK
+from dynaspec.kpolicy.goodput import REDECIDE_EVERY, GoodputK
 from dynaspec.kpolicy.policy import FixedK, TableK
 from dynaspec.kpolicy.profile import Profile, best_k, load_profile, save_profile
 
@@ -328,3 +328,38 @@ def test_exploration_costs_a_probe_every_dozen_steps_when_speculation_does_not_p
     # 4 probes to reach 4 drafts of evidence, then one each time it fades from 5 back under 4
     every = math.log(5 / 4) / -math.log(policy.acceptance.decay)  # 11 steps
     assert abs(probes - (4 + 496 / every)) <= 2
+
+
+def test_a_steady_load_keeps_its_choice_a_few_steps_then_decides_afresh():
+    """Same requests, all decoding and caught up: the choice is kept for REDECIDE_EVERY steps (its
+    host time stalls a GPU step), each request's K cut to what it may still draft; acceptance that
+    collapsed meanwhile is acted on at the next decision; another load decides at once."""
+    policy = goodput()
+    load = [DraftCandidate(1, 100, request_id=str(i)) for i in range(4)]
+    k, drafts = policy.choose(load)
+    assert k > 0 and drafts == [k] * 4
+    for _ in range(50):  # nothing accepted any more: a fresh decision would draft less
+        policy.observe(step_record([k] * 4, [0] * 4))
+    nearly_done = [*load[:3], DraftCandidate(1, 2, request_id="3")]
+    assert policy.choose(nearly_done) == (k, [k, k, k, 1])
+    for _ in range(REDECIDE_EVERY - 2):
+        assert policy.choose(load) == (k, drafts)
+    assert policy.snapshot()["choices_kept"] == REDECIDE_EVERY - 1
+    assert policy.choose(load)[0] < k  # the kept choice ran out: decided afresh
+    kept = policy.snapshot()["choices_kept"]
+    joined = [*load, DraftCandidate(1, 100, request_id="4")]
+    owing = [*load[:3], DraftCandidate(50, 100, request_id="3")]
+    for other in (joined, owing, joined):  # a new load, one not caught up: decided each time
+        policy.choose(other)
+    assert policy.snapshot()["choices_kept"] == kept
+
+
+def test_deciding_every_step_is_a_setting():
+    cost_model = {"target_ms": TARGET, "draft_pass_ms": [DRAFT[0], DRAFT[1], 5.0]}
+    policy = GoodputK(
+        Profile(4, ALPHA4, GRID, cost_model=cost_model), 4, 1, per_request=False, redecide_every=1
+    )
+    load = [DraftCandidate(1, 100, request_id=str(i)) for i in range(4)]
+    for _ in range(3):
+        policy.choose(load)
+    assert policy.snapshot()["choices_kept"] == 0
