@@ -2,7 +2,8 @@
 per-request and batch-level, at loads of 8 and 32, a third of the requests still owing the drafter
 part of their prompt, on a profile's grid; then per step on a steady load (every request caught
 up, the same requests step after step) at 1, 4, 16 and 64 requests, deciding every step and
-keeping a choice for ``REDECIDE_EVERY`` steps (the default).
+keeping a choice for ``REDECIDE_EVERY`` steps (the default where a choice costs at least
+``KEEP_ABOVE_SHARE`` of a step, as on a GPU; the probe observes no step, so it keeps).
 
     .venv/bin/python benchmarks/probes/choose_time.py \
         [--profile results/zen4/profile_qwen_pair_humaneval_7.json

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from dynaspec.engine.types import DraftCandidate, StepRecord
@@ -40,6 +41,9 @@ PER_REQUEST_UP_TO = 64
 # two choices only the acceptance estimates move (a few percent a step), and a choice's host time
 # (0.2-3 ms in Python at 1-64 requests) stalls a GPU whose step is 5-15 ms
 REDECIDE_EVERY = 4
+# ... but only where the last choice took at least this share of the last step's time (a GPU):
+# on a CPU, whose steps take 30-300 ms, every step decides
+KEEP_ABOVE_SHARE = 0.01
 
 
 def peak_counts(bs: int, k: int, runs: list[int]) -> list[int]:
@@ -214,6 +218,8 @@ class GoodputK:
         self.redecide_every = max(1, redecide_every)
         self.num_reused = 0  # steps that kept the last choice (``REDECIDE_EVERY``)
         self._kept: tuple[tuple, list[int], int] | None = None  # (load, drafts, steps kept)
+        self._choose_ms = 0.0  # host time of the last choice
+        self._step_ms = 0.0  # the last step's passes (target and drafter)
 
     def itl(self, batch_size: int, k: int) -> float | None:
         """ITL(bs, K) in ms over the load's mean context (``self.context``): the profile's, moved
@@ -236,7 +242,8 @@ class GoodputK:
         return self._choose(load, explore=False)[0]
 
     def choose(self, candidates: Sequence[DraftCandidate]) -> tuple[int, list[int]]:
-        """The step's K and each request's drafts. A choice is kept for up to ``redecide_every``
+        """The step's K and each request's drafts. Where a choice's host time is a noticeable share
+        of a step (``KEEP_ABOVE_SHARE``: a GPU), a choice is kept for up to ``redecide_every``
         steps while the load is the same requests, all decoding and caught up (each request's kept
         K cut to what it may still draft); any other load, a probe, or the last kept step decides
         afresh."""
@@ -248,9 +255,11 @@ class GoodputK:
             self._kept = (load, kept[1], kept[2] + 1)
             self.num_reused += 1
             return max(drafts, default=0), drafts
-        probes = self.num_probes
+        probes, start = self.num_probes, time.perf_counter()
         k, drafts = self._choose(candidates, explore=True)
-        self._kept = (load, drafts, 1) if steady and self.num_probes == probes else None
+        self._choose_ms = (time.perf_counter() - start) * 1000
+        worth = self._choose_ms >= KEEP_ABOVE_SHARE * self._step_ms
+        self._kept = (load, drafts, 1) if steady and worth and self.num_probes == probes else None
         return k, drafts
 
     def _choose(self, candidates: Sequence[DraftCandidate], explore: bool) -> tuple[int, list[int]]:
@@ -398,6 +407,8 @@ class GoodputK:
             if record.draft_confidence is not None:
                 self.calibration.observe(record.draft_confidence, result.draft_lens, result.num_accepted)
         self.costs.observe(record.timing)
+        timing = record.timing
+        self._step_ms = timing.target_ms + sum(p[2] for p in timing.draft_passes)  # DraftPass.ms
 
     def snapshot(self) -> dict:
         return {
