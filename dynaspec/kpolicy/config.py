@@ -66,8 +66,8 @@ class SpeculativeConfig:
     # a decode stops drafting where the drafter's top probability is below this; "auto" (the default
     # with a profile): tuned from what the target accepted; without a profile the default is 0 (never)
     draft_confidence_threshold: float | Literal["auto"] | None = None
-    # the drafter's --quantization (default: int4 on the CPU, else the target's); drafts only, so any
-    # choice stays lossless
+    # the drafter's --quantization (default: int4 on the CPU, else the target's; an EAGLE head's
+    # linears as stored unless int8 or int4 is asked); drafts only, so any choice stays lossless
     draft_quantization: Literal["auto", "none", "int8", "int4"] | None = None
     draft_vocab_size: int | None = Field(
         default=None, ge=1
@@ -106,8 +106,11 @@ class SpeculativeConfig:
 
     def drafter_quantization(self, device_type: str, target: str) -> str | None:
         """The drafter's --quantization: draft_quantization; else int4 on the CPU (drafts need only
-        be likely, and a 4-bit drafter's passes are cheaper); else the target's (``target``). None
+        be likely, and a 4-bit drafter's passes are cheaper); else the target's (``target``). An
+        EAGLE head's linears: draft_quantization where given (int8, int4), else as stored. None
         without a drafter."""
+        if self.method in EAGLE_METHODS:
+            return self.draft_quantization
         if self.method != "draft_model":
             return None
         if self.draft_quantization is not None:
@@ -155,16 +158,26 @@ class SpeculativeConfig:
         if self.method in EAGLE_METHODS and not self.model:
             raise ValueError(f"model: required for method {self.method}: the head's checkpoint directory")
         if self.method != "draft_model":
+            eagle = self.method in EAGLE_METHODS
             drafter_only = (
-                *(() if self.method in EAGLE_METHODS else ("model",)),
-                "draft_quantization",
+                *(() if eagle else ("model", "draft_quantization")),
                 "draft_vocab_size",
                 "draft_context_window",
                 "load_format",
             )
             for name in drafter_only:
                 if getattr(self, name) is not None:
-                    raise ValueError(f"{name}: only applies to method draft_model")
+                    where = (
+                        "methods draft_model, eagle and eagle3"
+                        if name == "draft_quantization"
+                        else "method draft_model"
+                    )
+                    raise ValueError(f"{name}: only applies to {where}")
+            if eagle and self.draft_quantization not in (None, "none", "int8", "int4"):
+                raise ValueError(
+                    f"draft_quantization: an EAGLE head takes none, int8 or int4, "
+                    f"not {self.draft_quantization!r}"
+                )
         if self.method != "suffix":
             for name in SUFFIX_FIELDS:
                 if getattr(self, name) is not None:

@@ -28,7 +28,7 @@ from dynaspec.engine.sampler import SamplingTensors, apply_penalties, coupled_dr
 from dynaspec.engine.types import DraftPass, Drafts, SchedulePlan, StepResult
 from dynaspec.models.attention import build_attention_metadata
 from dynaspec.models.qlinear import kernel_error
-from dynaspec.spec_decode.eagle_head import EAGLE, EAGLE3, load_eagle_head
+from dynaspec.spec_decode.eagle_head import EAGLE, EAGLE3, load_eagle_head, quantize_head
 from dynaspec.spec_decode.proposer import Proposer, ProposerContext, register_proposer
 
 
@@ -94,6 +94,8 @@ class EagleProposer(Proposer):
         if target is None or ctx.target_embed is None or ctx.target_logits is None:
             raise ValueError(f"speculative_config.method: {spec_config.method} needs the target's layers")
         self.head = load_eagle_head(spec_config.model, spec_config.method, target, ctx.dtype, ctx.device)
+        self.dtype = self.head.fc.weight.dtype  # the head's activations (its linears may be quantized)
+        quantize_head(self.head, spec_config.drafter_quantization(ctx.device.type, ctx.quantization))
         self.embed = self.head.embed_tokens if self.head.embed_tokens is not None else ctx.target_embed
         self.vocab_size = target.vocab_size
         self.kv_dtype = ctx.kv_dtype or ctx.dtype
@@ -241,7 +243,7 @@ class EagleProposer(Proposer):
             lens, ctx_lens, block_tables, self.ctx.block_size, self.ctx.device, rowwise=self.rowwise
         )
         with torch.inference_mode():
-            embeds = self.embed(ids).to(self.head.fc.weight.dtype)
+            embeds = self.embed(ids).to(self.dtype)
         pos = torch.tensor(positions, dtype=torch.long, device=self.ctx.device)
         return self.head(embeds, hidden.to(embeds.dtype), pos, self.kv_cache, meta)
 
@@ -251,7 +253,7 @@ class EagleProposer(Proposer):
         ids = torch.tensor(
             [t for p in prompts for t in p[1:] + p[-1:]], dtype=torch.long, device=self.ctx.device
         )
-        hidden = torch.zeros(len(ids), width, dtype=self.head.fc.weight.dtype, device=self.ctx.device)
+        hidden = torch.zeros(len(ids), width, dtype=self.dtype, device=self.ctx.device)
         positions = [i for p in prompts for i in range(len(p))]
         start = time.perf_counter()
         self._pass(ids, hidden, positions, [len(p) for p in prompts], block_tables)

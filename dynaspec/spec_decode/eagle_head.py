@@ -33,6 +33,7 @@ from torch import nn
 from dynaspec.models.attention import AttentionMetadata
 from dynaspec.models.config import ModelConfig
 from dynaspec.models.llama import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
+from dynaspec.models.qlinear import QuantLinear, quantize_dense
 
 EAGLE = "eagle"
 EAGLE3 = "eagle3"
@@ -214,6 +215,32 @@ def _expected(config: EagleHeadConfig, prefix: str) -> dict[str, tuple[int, ...]
             "lm_head.weight": (config.draft_vocab_size, h),
         }
     return shapes
+
+
+HEAD_QUANTIZATION_BITS = {"int8": 8, "int4": 4}
+
+
+def quantize_head(head: EagleHead, quantization: str | None) -> EagleHead:
+    """The head with its linears (fc, the layer's four projections, its own lm_head) held
+    group-wise quantized (``quantization`` int8 or int4: ``qlinear.quantize_dense``, the C++
+    kernel where it builds) in place; None, "none" or "auto": as stored. Drafts only: lossless
+    whatever it does to acceptance."""
+    if quantization in (None, "none", "auto"):
+        return head
+    if quantization not in HEAD_QUANTIZATION_BITS:
+        raise ValueError(f"speculative_config.draft_quantization: {quantization!r} is not int8, int4 or none")
+    bits = HEAD_QUANTIZATION_BITS[quantization]
+    attn, mlp = head.self_attn, head.mlp
+    owners = [(head, "fc"), (attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]
+    if head.lm_head is not None:
+        owners.append((head, "lm_head"))
+    for owner, name in owners:
+        linear = getattr(owner, name)
+        weight = linear.weight.detach().float().cpu()
+        bias = None if linear.bias is None else linear.bias.detach()
+        quantized = QuantLinear(quantize_dense(weight, bits), bias, dtype=linear.weight.dtype)
+        setattr(owner, name, quantized.to(linear.weight.device))
+    return head
 
 
 def load_eagle_head(

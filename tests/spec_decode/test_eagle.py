@@ -15,7 +15,8 @@ from dynaspec import SamplingParams
 from dynaspec.engine.runner import TokenRun
 from dynaspec.models.config import ModelConfig
 from dynaspec.models.llama import LlamaModel
-from dynaspec.spec_decode.eagle_head import default_aux_layers, load_eagle_head
+from dynaspec.models.qlinear import QuantLinear
+from dynaspec.spec_decode.eagle_head import default_aux_layers, load_eagle_head, quantize_head
 
 AUX_LAYERS = [0, 1, 1]  # the tiny target has 2 layers: vLLM's default (2, 1, -1) does not fit it
 
@@ -414,6 +415,41 @@ def test_eagle_greedy_equals_plain(target_dir, eagle3_dir, eagle_dir, plain, met
     assert engine.allocator.usage == 0.0
     engine.step()  # the last finished requests are released at the next schedule
     assert engine.proposer.states == {}
+
+
+@pytest.mark.parametrize(("quantization", "tolerance"), [("int8", 0.02), ("int4", 0.25)])
+def test_draft_quantization_holds_a_head_s_linears_quantized_and_stays_lossless(
+    target_dir, eagle3_dir, plain, quantization, tolerance
+):
+    """``draft_quantization`` int8/int4 quantizes an EAGLE head's linears (fc, the layer's four
+    projections, its lm_head): each computes its float twin's output to within ``tolerance``
+    (relative), and speculation with the head stays lossless."""
+    spec = {"method": "eagle3", "model": str(eagle3_dir), "num_speculative_tokens": 3}
+    engine = make_engine(target_dir, speculative_config={**spec, "draft_quantization": quantization})
+    head = engine.proposer.head
+    stored = load_eagle_head(
+        eagle3_dir, "eagle3", target_config(target_dir), torch.float32, torch.device("cpu")
+    )
+    pairs = [
+        (head.fc, stored.fc),
+        (head.self_attn.qkv_proj, stored.self_attn.qkv_proj),
+        (head.self_attn.o_proj, stored.self_attn.o_proj),
+        (head.mlp.gate_up_proj, stored.mlp.gate_up_proj),
+        (head.mlp.down_proj, stored.mlp.down_proj),
+        (head.lm_head, stored.lm_head),
+    ]
+    torch.manual_seed(0)
+    for quantized, dense in pairs:
+        assert isinstance(quantized, QuantLinear)
+        x = torch.randn(5, dense.in_features)
+        expected = dense(x)
+        error = (quantized(x) - expected).norm() / expected.norm()
+        assert error < tolerance, (quantization, error)
+    assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
+    assert engine.stats()["spec"]["num_draft_tokens"] > 0
+    assert quantize_head(stored, None) is stored and isinstance(stored.fc, torch.nn.Linear)
+    with pytest.raises(ValueError, match="draft_quantization"):
+        quantize_head(stored, "int2")
 
 
 # thresholds inside each random head's spread of top probabilities (EAGLE's, through the target's
