@@ -1,7 +1,8 @@
 """Where an EAGLE head's decode step goes at batch 1: step time, the target's pass and the head's
 passes, at K=0 and K=k, on one MT-Bench prompt (greedy, 40 tokens).
 
-    .venv/bin/python benchmarks/probes/eagle_step.py bench-results/heads/qwen15-eagle3 --k 3
+    .venv/bin/python benchmarks/probes/eagle_step.py bench-results/heads/qwen15-eagle3 --k 3 \
+        [--draft-quantization int8]
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--draft-quantization", choices=["none", "int8", "int4"], help="the head's linears")
     args = ap.parse_args()
     spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k}
+    if args.draft_quantization:
+        spec["draft_quantization"] = args.draft_quantization
     config = EngineConfig(
         model=args.model, speculative_config=spec, max_num_seqs=1, kv_cache_memory_gb=1.0, progress=False
     )
