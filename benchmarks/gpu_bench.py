@@ -413,7 +413,7 @@ STAGES = {
     "pair7": stage_pair7,
     "equality": stage_equality,
 }
-STAGE_S = {"invariant": 120, "plain": 90, "pair7": 200, "equality": 60}
+STAGE_S = {"invariant": 120, "plain": 90, "pair7": 200, "equality": 120}
 
 
 def main(argv: list[str] | None = None) -> int:
