@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from dynaspec.bench.common import environment
-from dynaspec.engine.static_pass import capture_graph
 from dynaspec.models import fused_ops
+from dynaspec.models.fused_ops import capture_graph
 
 BLOCK_SIZE = 16
 GRAPH_CALLS = 20

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dynaspec.models.fused_ops import capture_graph
+
 log = logging.getLogger(__name__)
 
 NO_SLOT = -1  # a position whose K/V is not written (padding, positions beyond a row's drafts)
@@ -103,20 +105,6 @@ class PassGraphs:
         start = time.perf_counter()
         self.graphs[key] = capture_graph(fn, pool)
         self.capture_s += time.perf_counter() - start
-
-
-def capture_graph(fn: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
-    """``fn`` warmed up on a side stream (its kernels compile there), then recorded as a CUDA graph:
-    (the graph, the outputs of the recorded call, which every replay rewrites)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-    return graph, out
 
 
 def slots_of(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

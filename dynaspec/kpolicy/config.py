@@ -159,20 +159,13 @@ class SpeculativeConfig:
             raise ValueError(f"model: required for method {self.method}: the head's checkpoint directory")
         if self.method != "draft_model":
             eagle = self.method in EAGLE_METHODS
-            drafter_only = (
-                *(() if eagle else ("model", "draft_quantization")),
-                "draft_vocab_size",
-                "draft_context_window",
-                "load_format",
-            )
-            for name in drafter_only:
+            if not eagle and self.model is not None:
+                raise ValueError("model: only applies to method draft_model")
+            if not eagle and self.draft_quantization is not None:
+                raise ValueError("draft_quantization: only applies to methods draft_model, eagle and eagle3")
+            for name in ("draft_vocab_size", "draft_context_window", "load_format"):
                 if getattr(self, name) is not None:
-                    where = (
-                        "methods draft_model, eagle and eagle3"
-                        if name == "draft_quantization"
-                        else "method draft_model"
-                    )
-                    raise ValueError(f"{name}: only applies to {where}")
+                    raise ValueError(f"{name}: only applies to method draft_model")
             if eagle and self.draft_quantization not in (None, "none", "int8", "int4"):
                 raise ValueError(
                     f"draft_quantization: an EAGLE head takes none, int8 or int4, "

@@ -218,7 +218,6 @@ class GoodputK:
         self.redecide_every = max(1, redecide_every)
         self.num_reused = 0  # steps that kept the last choice (``REDECIDE_EVERY``)
         self._kept: tuple[tuple, list[int], int] | None = None  # (load, drafts, steps kept)
-        self._choose_ms = 0.0  # host time of the last choice
         self._step_ms = 0.0  # the last step's passes (target and drafter)
 
     def itl(self, batch_size: int, k: int) -> float | None:
@@ -257,8 +256,7 @@ class GoodputK:
             return max(drafts, default=0), drafts
         probes, start = self.num_probes, time.perf_counter()
         k, drafts = self._choose(candidates, explore=True)
-        self._choose_ms = (time.perf_counter() - start) * 1000
-        worth = self._choose_ms >= KEEP_ABOVE_SHARE * self._step_ms
+        worth = (time.perf_counter() - start) * 1000 >= KEEP_ABOVE_SHARE * self._step_ms
         self._kept = (load, drafts, 1) if steady and worth and self.num_probes == probes else None
         return k, drafts
 

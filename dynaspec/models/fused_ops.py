@@ -16,6 +16,8 @@ CUDA graph can capture them.
 - ``linear`` / ``norm_linear`` / ``silu_linear``: a projection of few rows as one weight-streaming
   kernel, the RMSNorm (after a residual add) or the SiLU-mul that feeds it computed on the fly.
 - ``top1``: each row's most likely token and its probability (softmax max) in two small kernels.
+- ``capture_graph``: a function warmed up, then recorded as a CUDA graph (the engine's fixed-shape
+  passes, the projections' config timing, the tests).
 
 ``BATCH_INVARIANT`` (off by default; ``EngineConfig.batch_invariant`` sets it for the process):
 each row's result is then bitwise the same whatever the rows beside it, so a verify pass of K + 1
@@ -32,6 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +69,20 @@ BATCH_INVARIANT = False
 SKINNY_CONFIG: tuple[int, int, int, int] | None = None
 # vocabulary entries a ``top1`` program scans
 _TOP1_BLOCK = 2048
+
+
+def capture_graph(fn: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn`` warmed up on a side stream (its kernels compile there), then recorded as a CUDA graph:
+    (the graph, the outputs of the recorded call, which every replay rewrites)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 def triton_enabled(x: torch.Tensor) -> bool:
@@ -464,10 +481,11 @@ def norm_linear(
 def silu_linear(
     gate_up: torch.Tensor,  # [n, 2 * in]
     weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [n, out]: the projection of silu(gate) * up
     if not skinny_takes(gate_up, weight):
-        return silu_linear_twin(gate_up, weight)
-    return _skinny_launch(gate_up, None, None, 0.0, weight, None, prologue=2)[1]
+        return silu_linear_twin(gate_up, weight, bias)
+    return _skinny_launch(gate_up, None, None, 0.0, weight, bias, prologue=2)[1]
 
 
 def linear_twin(
@@ -496,8 +514,9 @@ def norm_linear_twin(
 def silu_linear_twin(
     gate_up: torch.Tensor,  # [n, 2 * in]
     weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [n, out]
-    return F.linear(silu_mul(gate_up), weight)
+    return F.linear(silu_mul(gate_up), weight, bias)
 
 
 def _skinny_launch(
@@ -620,16 +639,7 @@ def _time_candidates(candidates: list[tuple[int, int, int, int]], run) -> tuple[
     best, best_ms = None, float("inf")
     try:
         for config in candidates:
-            run(config)  # compiles outside the capture
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(stream):
-                run(config)
-                with torch.cuda.graph(graph, stream=stream):
-                    for _ in range(10):
-                        run(config)
-            torch.cuda.current_stream().wait_stream(stream)
+            graph, _ = capture_graph(lambda config=config: [run(config) for _ in range(10)])
             times = []
             for _ in range(5):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

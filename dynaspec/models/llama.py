@@ -150,8 +150,14 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [n, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [n, heads, d], k and v [n, kv_heads, d]
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self._split_qkv(self.qkv_proj(x))
+
+    def _split_qkv(
+        self,
+        qkv: torch.Tensor,  # [n, (heads + 2 * kv_heads) * head_dim]: the q/k/v projection
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [n, heads, d], k and v [n, kv_heads, d]
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         return q, k, v.reshape(n, self.num_kv_heads, self.head_dim)
@@ -168,10 +174,7 @@ class Attention(nn.Module):
         """``forward``'s attention for a step of fixed shape, through the fused ops, from the q/k/v
         projection (which ``LlamaModel.forward_decode`` fuses with the norm before it)."""
         n = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self._split_qkv(qkv)
         if self.q_norm is not None:
             q = fused_ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps)
             k = fused_ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps)
@@ -412,12 +415,8 @@ def _norm_project(
 
 def _silu_project(gate_up: torch.Tensor, projection: nn.Module) -> torch.Tensor:
     plain = _plain(projection)
-    if plain is None:
-        return projection(fused_ops.silu_mul(gate_up))
     return (
-        fused_ops.silu_linear(gate_up, plain[0])
-        if plain[1] is None
-        else _project(fused_ops.silu_mul(gate_up), projection)
+        projection(fused_ops.silu_mul(gate_up)) if plain is None else fused_ops.silu_linear(gate_up, *plain)
     )
 
 

@@ -31,9 +31,9 @@ from safetensors import safe_open
 from torch import nn
 
 from dynaspec.models.attention import AttentionMetadata
+from dynaspec.models.build import build_linear, effective_quantization
 from dynaspec.models.config import ModelConfig
 from dynaspec.models.llama import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
-from dynaspec.models.qlinear import QuantLinear, quantize_dense
 
 EAGLE = "eagle"
 EAGLE3 = "eagle3"
@@ -217,29 +217,26 @@ def _expected(config: EagleHeadConfig, prefix: str) -> dict[str, tuple[int, ...]
     return shapes
 
 
-HEAD_QUANTIZATION_BITS = {"int8": 8, "int4": 4}
-
-
 def quantize_head(head: EagleHead, quantization: str | None) -> EagleHead:
     """The head with its linears (fc, the layer's four projections, its own lm_head) held
-    group-wise quantized (``quantization`` int8 or int4: ``qlinear.quantize_dense``, the C++
-    kernel where it builds) in place; None, "none" or "auto": as stored. Drafts only: lossless
-    whatever it does to acceptance."""
+    group-wise quantized (``quantization`` int8 or int4, as ``--quantization`` quantizes a dense
+    checkpoint at load: ``build.build_linear``, the CPU kernels only) in place; None, "none" or
+    "auto": as stored. Drafts only: lossless whatever it does to acceptance."""
     if quantization in (None, "none", "auto"):
         return head
-    if quantization not in HEAD_QUANTIZATION_BITS:
+    if quantization not in ("int8", "int4"):
         raise ValueError(f"speculative_config.draft_quantization: {quantization!r} is not int8, int4 or none")
-    bits = HEAD_QUANTIZATION_BITS[quantization]
+    device = head.fc.weight.device
+    mode = effective_quantization(quantization, False, device)  # refuses int8/int4 off the CPU
     attn, mlp = head.self_attn, head.mlp
     owners = [(head, "fc"), (attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]
     if head.lm_head is not None:
         owners.append((head, "lm_head"))
     for owner, name in owners:
         linear = getattr(owner, name)
-        weight = linear.weight.detach().float().cpu()
+        weight = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach()
-        quantized = QuantLinear(quantize_dense(weight, bits), bias, dtype=linear.weight.dtype)
-        setattr(owner, name, quantized.to(linear.weight.device))
+        setattr(owner, name, build_linear([(name, weight, bias)], mode, weight.dtype, device))
     return head
 
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dynaspec.engine.static_pass import capture_graph
 from dynaspec.models.attention import build_attention_metadata
 from dynaspec.models.attention import paged_attention as reference_attention
 from dynaspec.models.llama import RMSNorm, _rotate
@@ -367,20 +366,22 @@ def test_each_op_replays_in_cuda_graph(invariant):
     logits = torch.randn(4, 3000, dtype=dtype, device=dev)
 
     graphs = {
-        "rms_norm": capture_graph(lambda: fo.rms_norm(x, weight, 1e-6)),
-        "add_rms_norm": capture_graph(lambda: fo.add_rms_norm(x, residual, weight, 1e-6)),
-        "silu_mul": capture_graph(lambda: fo.silu_mul(gate_up)),
-        "rope_write_kv": capture_graph(lambda: fo.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)),
-        "paged_attention": capture_graph(
+        "rms_norm": fo.capture_graph(lambda: fo.rms_norm(x, weight, 1e-6)),
+        "add_rms_norm": fo.capture_graph(lambda: fo.add_rms_norm(x, residual, weight, 1e-6)),
+        "silu_mul": fo.capture_graph(lambda: fo.silu_mul(gate_up)),
+        "rope_write_kv": fo.capture_graph(
+            lambda: fo.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+        ),
+        "paged_attention": fo.capture_graph(
             lambda: fo.paged_attention(qa, ka, va, block_table, seq_lens, 3, 16, 64**-0.5, window=16)
         ),
-        "paged_attention_splits": capture_graph(
+        "paged_attention_splits": fo.capture_graph(
             lambda: fo.paged_attention(qa, ka, va, block_table, seq_lens, 3, 16, 64**-0.5, num_splits=3)
         ),
-        "linear": capture_graph(lambda: fo.linear(x, proj)),
-        "norm_linear": capture_graph(lambda: fo.norm_linear(x, residual, weight.to(dtype), 1e-6, proj)),
-        "silu_linear": capture_graph(lambda: fo.silu_linear(gate_up, down)),
-        "top1": capture_graph(lambda: fo.top1(logits)),
+        "linear": fo.capture_graph(lambda: fo.linear(x, proj)),
+        "norm_linear": fo.capture_graph(lambda: fo.norm_linear(x, residual, weight.to(dtype), 1e-6, proj)),
+        "silu_linear": fo.capture_graph(lambda: fo.silu_linear(gate_up, down)),
+        "top1": fo.capture_graph(lambda: fo.top1(logits)),
     }
     # new inputs in the same buffers, then replays without a host sync
     for t in (x, residual, gate_up, q, k, v, qa, logits):
