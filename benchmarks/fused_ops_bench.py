@@ -1,18 +1,21 @@
 """Time each fused op (models/fused_ops.py): its Triton kernel against its torch twin, on CUDA, at the
 decode shapes of Qwen2.5-7B, -1.5B and -0.5B (bf16), batch 1/16/64, query_len 1 and 6 (decode, and
-verify of K=5 drafts), a context of 512 tokens; the few-row projections (q/k/v with its norm, o,
-gate/up with its norm, down with the SiLU-mul, the head) against cuBLAS after the separate norm or
-SiLU-mul kernel, and ``top1`` against a softmax and max.
+verify of K=5 drafts), a context of 512 tokens; the few-row projections (q/k/v with its bias, o,
+gate/up, down, the head) as the skinny kernel against cuBLAS, and ``top1`` against a softmax and max.
+Then the projection dispatch (``SKINNY_DISPATCH``): at each shape and --dispatch-rows, cuBLAS and
+every skinny config timed as the engine times them (graph replays over weight copies larger than
+L2), and which one the engine would run.
 
     python benchmarks/fused_ops_bench.py --out results/fused_ops.json --skinny-configs 16,128,4,3 32,256,4,3
 
     python benchmarks/fused_ops_bench.py --out results/fused_ops.json
     python benchmarks/fused_ops_bench.py --dry-run --out /tmp/fused_ops.json   # CPU: tiny shapes, twins
 
-Prints one table and writes JSON (the device named). Each kernel is timed eagerly (launch overhead
+Prints tables and writes JSON (the device named). Each kernel is timed eagerly (launch overhead
 included: what an uncaptured step pays) and replayed in a CUDA graph (the GPU's time); "x" is the
 eager speed-up over the twin. Paged attention also reports the K/V bytes of the context over its
-graph time (GB/s), against the device's memory bandwidth.
+graph time (GB/s), against the device's memory bandwidth. The skinny kernel runs with its
+batch-invariant configs in the main table (chosen by shape; --skinny-configs forces one).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ SHAPES = {
 }
 TINY = {"tiny": Shape(64, 96, 4, 2, 16)}
 VOCAB = 151936
-PROJECTIONS = ("qkv_norm_linear", "o_linear", "gate_up_norm_linear", "down_silu_linear", "head_linear")
+PROJECTIONS = ("qkv_linear", "o_linear", "gate_up_linear", "down_linear", "head_linear")
 
 
 @dataclass(slots=True)
@@ -63,6 +66,28 @@ class Row:
     graph_us: float | None  # per call, GRAPH_CALLS calls replayed as one CUDA graph: the GPU's time
     twin_us: float
     kv_gbps: float | None = None  # paged attention: K/V bytes of the context over graph_us
+
+
+def _projections(
+    shape: Shape, dtype: torch.dtype, device: str
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """{projection: (weight [out, in], bias or None)} of a layer of the shape, and its head."""
+    hq, hk, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    vocab = VOCAB if device == "cuda" else 1000
+
+    def matrix(out: int, inp: int) -> torch.Tensor:
+        return torch.randn(out, inp, device=device).to(dtype) * 0.02
+
+    return {
+        "qkv_linear": (
+            matrix((hq + 2 * hk) * d, shape.hidden),
+            torch.randn((hq + 2 * hk) * d, device=device).to(dtype),
+        ),
+        "o_linear": (matrix(shape.hidden, hq * d), None),
+        "gate_up_linear": (matrix(2 * shape.intermediate, shape.hidden), None),
+        "down_linear": (matrix(shape.hidden, shape.intermediate), None),
+        "head_linear": (matrix(vocab, shape.hidden), None),
+    }
 
 
 def _cases(shape: Shape, b: int, query_len: int, context: int, dtype: torch.dtype, device: str):
@@ -87,21 +112,13 @@ def _cases(shape: Shape, b: int, query_len: int, context: int, dtype: torch.dtyp
     slots = slots * BLOCK_SIZE + pos % BLOCK_SIZE
     scale = d**-0.5
     kv_bytes = 2 * b * context * hk * d * k_cache.element_size()
-    w_qkv = torch.randn((hq + 2 * hk) * d, shape.hidden, device=device).to(dtype) * 0.02
-    b_qkv = torch.randn((hq + 2 * hk) * d, device=device).to(dtype)
-    w_o = torch.randn(shape.hidden, hq * d, device=device).to(dtype) * 0.02
-    w_gate_up = torch.randn(2 * shape.intermediate, shape.hidden, device=device).to(dtype) * 0.02
-    w_down = torch.randn(shape.hidden, shape.intermediate, device=device).to(dtype) * 0.02
-    vocab = VOCAB if device == "cuda" else 1000
-    w_head = torch.randn(vocab, shape.hidden, device=device).to(dtype) * 0.02
-    attn_out = torch.randn(n, hq * d, dtype=dtype, device=device)
-    logits = torch.randn(n, vocab, dtype=dtype, device=device)
-    return {
-        "qkv_norm_linear": (lambda f: f(x, residual, weight, 1e-6, w_qkv, b_qkv), None),
-        "o_linear": (lambda f: f(attn_out, w_o), None),
-        "gate_up_norm_linear": (lambda f: f(x, residual, weight, 1e-6, w_gate_up), None),
-        "down_silu_linear": (lambda f: f(gate_up, w_down), None),
-        "head_linear": (lambda f: f(x, w_head), None),
+    weights = _projections(shape, dtype, device)
+    logits = torch.randn(n, weights["head_linear"][0].shape[0], dtype=dtype, device=device)
+    projections = {}
+    for op, (w, bias) in weights.items():
+        inp = torch.randn(n, w.shape[1], dtype=dtype, device=device)
+        projections[op] = (lambda f, inp=inp, w=w, bias=bias: f(inp, w, bias), None)
+    return projections | {
         "top1": (lambda f: f(logits), None),
         "add_rms_norm": (lambda f: f(x, residual, weight, 1e-6), None),
         "silu_mul": (lambda f: f(gate_up), None),
@@ -114,10 +131,10 @@ def _cases(shape: Shape, b: int, query_len: int, context: int, dtype: torch.dtyp
 
 
 OPS = {
-    "qkv_norm_linear": (fused_ops.norm_linear, fused_ops.norm_linear_twin),
+    "qkv_linear": (fused_ops.linear, fused_ops.linear_twin),
     "o_linear": (fused_ops.linear, fused_ops.linear_twin),
-    "gate_up_norm_linear": (fused_ops.norm_linear, fused_ops.norm_linear_twin),
-    "down_silu_linear": (fused_ops.silu_linear, fused_ops.silu_linear_twin),
+    "gate_up_linear": (fused_ops.linear, fused_ops.linear_twin),
+    "down_linear": (fused_ops.linear, fused_ops.linear_twin),
     "head_linear": (fused_ops.linear, fused_ops.linear_twin),
     "top1": (fused_ops.top1, fused_ops.top1_twin),
     "add_rms_norm": (fused_ops.add_rms_norm, fused_ops.add_rms_norm_twin),
@@ -151,6 +168,24 @@ def _graph_us(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / GRAPH_CALLS
 
 
+def _dispatch(model: str, shape: Shape, rows: list[int], dtype: torch.dtype, device: str) -> list[dict]:
+    """The dispatch's timings (``fused_ops.TUNING_RECORD``) of each projection of the shape at each
+    row count, as the engine makes them at its first such call."""
+    out = []
+    fused_ops.SKINNY_DISPATCH = True
+    try:
+        for op, (w, bias) in _projections(shape, dtype, device).items():
+            for n in rows:
+                before = len(fused_ops.TUNING_RECORD)
+                fused_ops.linear(torch.randn(n, w.shape[1], dtype=dtype, device=device), w, bias)
+                out += [{"model": model, "op": op} | r for r in fused_ops.TUNING_RECORD[before:]]
+            del w, bias
+            torch.cuda.empty_cache()
+    finally:
+        fused_ops.SKINNY_DISPATCH = False
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -166,6 +201,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="BN,BK,WARPS,STAGES",
         help="also time the projections at batch 1, query_len 1 with each of these kernel configs",
     )
+    parser.add_argument(
+        "--dispatch-rows",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[1, 6, 16, 64],
+        help="row counts at which the projection dispatch is timed (comma-separated; empty: none)",
+    )
     args = parser.parse_args(argv)
     cuda = not args.dry_run
     if cuda and not (torch.cuda.is_available() and fused_ops.triton is not None):
@@ -177,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     if not cuda:
         batches, query_lens, context = [1, 2], [1, 3], 40
 
-    rows = []
+    rows, dispatch = [], []
     for model, shape in shapes.items():
         for b in batches:
             for query_len in query_lens:
@@ -185,14 +226,20 @@ def main(argv: list[str] | None = None) -> None:
                     kernel, twin = OPS[op]
                     kernel_us = graph_us = gbps = None
                     if cuda:
-                        kernel_us = _time_us(lambda c=call, f=kernel: c(f), cuda)
-                        graph_us = _graph_us(lambda c=call, f=kernel: c(f))
+                        # the projections' kernel runs where batch invariance asks for it
+                        fused_ops.BATCH_INVARIANT = op in PROJECTIONS
+                        try:
+                            kernel_us = _time_us(lambda c=call, f=kernel: c(f), cuda)
+                            graph_us = _graph_us(lambda c=call, f=kernel: c(f))
+                        finally:
+                            fused_ops.BATCH_INVARIANT = False
                         gbps = kv_bytes / (graph_us * 1e3) if kv_bytes else None
                     twin_us = _time_us(lambda c=call, f=twin: c(f), cuda)
                     rows.append(Row(model, b, query_len, op, kernel_us, graph_us, twin_us, gbps))
         cases = _cases(shape, 1, 1, context, dtype, device)
         for config in args.skinny_configs if cuda else []:
             fused_ops.SKINNY_CONFIG = tuple(int(v) for v in config.split(","))
+            fused_ops.BATCH_INVARIANT = True
             try:
                 for op in PROJECTIONS:
                     call, kernel, twin = cases[op][0], *OPS[op]
@@ -200,7 +247,9 @@ def main(argv: list[str] | None = None) -> None:
                     twin_us = _graph_us(lambda c=call, f=twin: c(f))
                     rows.append(Row(model, 1, 1, f"{op}[{config}]", None, graph_us, twin_us))
             finally:
-                fused_ops.SKINNY_CONFIG = None
+                fused_ops.SKINNY_CONFIG, fused_ops.BATCH_INVARIANT = None, False
+        if cuda:
+            dispatch += _dispatch(model, shape, args.dispatch_rows, dtype, device)
 
     header = ("model", "b", "q", "op", "kernel us", "graph us", "twin us", "x", "KV GB/s")
     print("{:>6} {:>4} {:>2} {:<34} {:>10} {:>9} {:>10} {:>6} {:>8}".format(*header))
@@ -213,6 +262,19 @@ def main(argv: list[str] | None = None) -> None:
         gbps = f"{r.kv_gbps:8.0f}" if r.kv_gbps is not None else f"{'-':>8}"
         where = f"{r.model:>6} {r.batch:>4} {r.query_len:>2} {r.op:<34}"
         print(f"{where} {kernel} {graph} {r.twin_us:10.1f} {speedup} {gbps}")
+    if dispatch:
+        print("\nprojection dispatch (us a call, graph replays over weight copies larger than L2)")
+        print(
+            "{:>6} {:<15} {:>4} {:>8} {:>8} {:<14} {}".format(
+                "model", "op", "rows", "cublas", "skinny", "best config", "chosen"
+            )
+        )
+        for d in dispatch:
+            configs = {c: us for c, us in d["us"].items() if c != "cublas"}
+            best = min(configs, key=configs.get) if configs else "-"
+            skinny = f"{configs[best]:8.2f}" if configs else f"{'-':>8}"
+            cublas = f"{d['us']['cublas']:8.2f}" if "cublas" in d["us"] else f"{'-':>8}"
+            print(f"{d['model']:>6} {d['op']:<15} {d['rows']:>4} {cublas} {skinny} {best:<14} {d['chosen']}")
     record = {
         "environment": environment(),
         "device": torch.cuda.get_device_name() if cuda else "cpu (dry run)",
@@ -223,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "triton": getattr(fused_ops.triton, "__version__", None),
         "rows": [asdict(r) for r in rows],
+        "dispatch": dispatch,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")

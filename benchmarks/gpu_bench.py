@@ -4,9 +4,13 @@ Stages (each with its own time limit; the JSON is rewritten after every measurem
 that runs out of time or fails still leaves the others' figures):
   env       the device, torch/triton versions, the device's copy bandwidth (a 2 GiB copy) and the
             bf16 weight-streaming roofline of each shape at batch 1
-  invariant the fixed-shape step as it is, then batch invariant (``batch_invariant``: each row's
-            numbers whatever the rows beside it): the 1.5B/0.5B pair's drafter pass and ITL(1 and
-            4, K), a plain 7B step at batch 1 and 8, and a kernel profile of the drafter
+  invariant the fixed-shape step in each of --invariant-variants, in order: ``off`` as it is,
+            ``on`` batch invariant (``batch_invariant``: each row's numbers whatever the rows
+            beside it), ``dispatch`` with few-row projections on the faster of cuBLAS and the
+            skinny kernel (``fused_ops.SKINNY_DISPATCH``; its timings recorded): the 1.5B/0.5B
+            pair's drafter pass and ITL(1 and 4, K), a plain 7B step at batch 1 and 8, and a kernel
+            profile of the drafter. A variant named again is measured again (``off,dispatch,
+            dispatch,off``: an ABBA pair), its figures under ``invariant_<variant>_2``
   plain     plain decode of the 7B shape, ms a step at batch 1..256 (CUDA graphs), and at batch 1
             and 64 the same step eager on fixed shapes and on the varlen path (today's)
   pair15    ITL(bs, K) for bs in {1, 4, 16, 64, 256}, K = 0..5, of the 1.5B/0.5B pair (synthetic
@@ -46,6 +50,7 @@ from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.engine.profiler import ProfileSettings, measure_itl
 from dynaspec.kpolicy.policy import FixedK
 from dynaspec.kpolicy.profile import Profile, derive_table
+from dynaspec.models import fused_ops
 from dynaspec.sampling_params import SamplingParams
 
 SHAPES = Path(__file__).parent / "shapes"
@@ -280,22 +285,29 @@ def kernel_profile(engine: Engine) -> str:
 def stage_invariant(report: Report, dirs: dict, args) -> None:
     """The step as it is, then batch invariant (each engine captures its graphs with its setting)."""
     deadline = Deadline(args.stage_s["invariant"])
+    seen: dict[str, int] = {}
     for label in args.invariant_variants:
         if deadline.over():
             break
-        on = label == "on"
-        stage = f"invariant_{label}"
-        spec = pair_spec(dirs["qwen2.5-0.5b"], RATES["code_pair"])
-        engine = make_engine(dirs["qwen2.5-1.5b"], spec=spec, max_num_seqs=8, batch_invariant=on)
-        grid_of(report, engine, "qwen2.5-1.5b", args, batch_sizes=[1, 4], stage=stage)
-        report.put(stage, "kernel_profile_k5_bs1", kernel_profile(engine))
-        free(engine)
-        plain = make_engine(dirs["qwen2.5-7b"], max_num_seqs=8, batch_invariant=on)
-        for bs in (1, 8):
-            report.put(
-                stage, f"plain7_ms_bs{bs}", round(statistics.median(decode_ms(plain, bs, steps=30)), 4)
-            )
-        free(plain)
+        seen[label] = seen.get(label, 0) + 1
+        stage = f"invariant_{label}" + (f"_{seen[label]}" if seen[label] > 1 else "")
+        on, dispatch_before = label == "on", fused_ops.SKINNY_DISPATCH
+        fused_ops.SKINNY_DISPATCH = label == "dispatch" or (dispatch_before and label != "off")
+        tuned = len(fused_ops.TUNING_RECORD)
+        try:
+            spec = pair_spec(dirs["qwen2.5-0.5b"], RATES["code_pair"])
+            engine = make_engine(dirs["qwen2.5-1.5b"], spec=spec, max_num_seqs=8, batch_invariant=on)
+            grid_of(report, engine, "qwen2.5-1.5b", args, batch_sizes=[1, 4], stage=stage)
+            report.put(stage, "kernel_profile_k5_bs1", kernel_profile(engine))
+            free(engine)
+            plain = make_engine(dirs["qwen2.5-7b"], max_num_seqs=8, batch_invariant=on)
+            for bs in (1, 8):
+                ms = statistics.median(decode_ms(plain, bs, steps=30))
+                report.put(stage, f"plain7_ms_bs{bs}", round(ms, 4))
+            free(plain)
+        finally:
+            fused_ops.SKINNY_DISPATCH = dispatch_before
+        report.put(stage, "projection_timings", fused_ops.TUNING_RECORD[tuned:])
         print(
             stage, {k: v for k, v in report.data["stages"][stage].items() if "profile" not in k}, flush=True
         )
@@ -432,7 +444,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--stage-s", dest="stage_limits", default="", help="time limits, e.g. plain=30,pair7=150 (seconds)"
     )
-    ap.add_argument("--invariant-variants", default="off,on", help="the invariant stage's: off, on or both")
+    ap.add_argument(
+        "--invariant-variants",
+        default="off,on",
+        help="the invariant stage's, in order: off, on, dispatch (comma-separated, repeats allowed)",
+    )
+    ap.add_argument(
+        "--skinny-dispatch",
+        action="store_true",
+        help="every stage's projections of few rows on the faster of cuBLAS and the skinny kernel",
+    )
     ap.add_argument("--equality-drafters", default="qwen2.5-0.5b,qwen2.5-1.5b")
     ap.add_argument("--plot", help="PNG of the ITL grids and the sweeps (after the run)")
     ap.add_argument("--plot-from", nargs="+", metavar="JSON", help="run nothing: plot saved runs (merged)")
@@ -454,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         name, _, seconds = item.partition("=")
         args.stage_s[name] = float(seconds)
     args.invariant_variants = args.invariant_variants.split(",")
+    fused_ops.SKINNY_DISPATCH = args.skinny_dispatch
     args.equality_drafters = args.equality_drafters.split(",")
     if args.dry_run:
         args.batch_sizes, args.itl_batch_sizes, args.concurrencies = [1, 4], [1, 4], [1, 4]
@@ -536,6 +558,20 @@ def summarize(data: dict) -> None:
             rows = [[bs] + [row.get(k, row.get(str(k))) for k in range(6)] for bs, row in grid.items()]
             print(key, "ITL(bs, K) ms")
             print(format_table(["bs"] + [f"K={k}" for k in range(6)], rows))
+    variants = [(k, v) for k, v in stages.items() if k.startswith("invariant_")]
+    if variants:
+        head = ["variant", "drafter pass ms", "ITL(1,K)-ITL(1,0) per K", "7B bs1 ms", "7B bs8 ms"]
+        rows = [
+            [
+                k,
+                v.get("draft_pass_ms_bs1"),
+                v.get("itl_minus_k0_per_k_bs1"),
+                v.get("plain7_ms_bs1"),
+                v.get("plain7_ms_bs8"),
+            ]
+            for k, v in variants
+        ]
+        print(format_table(head, rows))
     with contextlib.suppress(KeyError):
         for rate_name, rows in stages["sweep"].items():
             if rate_name.endswith("_table"):

@@ -8,6 +8,11 @@
 # recorded on 2026-11-26 ran: TEST_K="bf16 or attention or skinny or top1" bash benchmarks/gpu_call.sh
 #   70 215 0 --stages env,equality,pair7 --equality-drafters qwen2.5-0.5b --itl-batch-sizes 1,4,16,64
 #   --concurrencies 1,64 --sweep-tokens 128 --sweep-rounds 2 --stage-s equality=45,pair7=100
+# The next call (the projection dispatch against cuBLAS, ABBA, batch invariance with row-wise norms,
+# bf16 equality on the real shapes):
+#   TEST_K="skinny or dispatch or bf16 or top1 or replays" bash benchmarks/gpu_call.sh 100 330 100
+#   --stages env,invariant,equality --invariant-variants off,dispatch,dispatch,off,on
+#   --equality-drafters qwen2.5-0.5b --stage-s invariant=190,equality=130
 set -uo pipefail
 case "${1:-}" in -h | --help) sed -n '2,/^set -uo/s/^# \{0,1\}//p' "$0" && exit 0 ;; esac
 cd "$(dirname "$0")/.."

@@ -258,9 +258,7 @@ def head_into(model: LlamaModel, hidden: torch.Tensor, out: torch.Tensor) -> tor
     tensor where the head is a plain matrix)."""
     head = model.lm_head
     if isinstance(head, nn.Linear) and head.bias is None and head.weight.dtype == hidden.dtype:
-        if fused_ops.skinny_takes(hidden, head.weight):  # few rows: rows independent of each other
-            return fused_ops.linear(hidden, head.weight, out=out)
-        return torch.mm(hidden, head.weight.t(), out=out)
+        return fused_ops.linear(hidden, head.weight, out=out)
     return out.copy_(head(hidden))
 
 

@@ -13,20 +13,23 @@ CUDA graph can capture them.
 - ``paged_attention``: decode/verify attention over a block table (flash-decoding: each program
   reads a split of one sequence's keys once for all its query rows and all query heads of a KV head,
   a second kernel merges the splits).
-- ``linear`` / ``norm_linear`` / ``silu_linear``: a projection of few rows as one weight-streaming
-  kernel, the RMSNorm (after a residual add) or the SiLU-mul that feeds it computed on the fly.
+- ``linear``: a projection of few rows as one weight-streaming kernel (the skinny kernel), where
+  batch invariance asks for it or where it beats cuBLAS on the device (``SKINNY_DISPATCH``);
+  cuBLAS otherwise.
 - ``top1``: each row's most likely token and its probability (softmax max) in two small kernels.
 - ``capture_graph``: a function warmed up, then recorded as a CUDA graph (the engine's fixed-shape
-  passes, the projections' config timing, the tests).
+  passes, the projections' timing, the tests).
 
 ``BATCH_INVARIANT`` (off by default; ``EngineConfig.batch_invariant`` sets it for the process):
 each row's result is then bitwise the same whatever the rows beside it, so a verify pass of K + 1
 rows a request computes a plain step's numbers and greedy speculation equals plain decoding in
-bfloat16 too. Projections of up to ``SKINNY_MAX_ROWS`` rows run the kernel above in 16-row tiles
+bfloat16 too. Projections of up to ``SKINNY_MAX_ROWS`` rows run the skinny kernel in 16-row tiles
 with a reduction order fixed by the shape (off: cuBLAS, whose kernel choice follows the rows), and
 attention cuts its key splits at fixed positions (from the block table's capacity) and its rows
 into 16-row tiles (off: splits that fill the GPU for the batch at hand, one tile for all rows).
-On the H200 it costs a 7B step at batch 1 about 2.3x (results/README.md, the GPU section).
+On the H200 it cost a 7B step at batch 1 about 2.3x (results/README.md, the GPU section) while the
+RMSNorm and the SiLU-mul ran inside the skinny kernel, far below cuBLAS's speed; they are now the
+same row-wise kernels as elsewhere, in front of the plain projection (not yet measured on a GPU).
 """
 
 from __future__ import annotations
@@ -65,7 +68,12 @@ _SKINNY_BLOCK_M = 16
 SKINNY_MAX_ROWS = 64
 # rows and splits that do not depend on the batch (see the module's docstring); process-wide
 BATCH_INVARIANT = False
-# (BLOCK_N, BLOCK_K, warps, stages) for every projection instead of ``_skinny_config``'s (benchmarks)
+# projections of few rows outside batch-invariant mode run the fastest of cuBLAS and the skinny
+# kernel for their shape, timed on the device (``projection_config``); off until a GPU run has
+# measured it (benchmarks/gpu_bench.py, the invariant stage's "dispatch" variant)
+SKINNY_DISPATCH = False
+# (BLOCK_N, BLOCK_K, warps, stages) for every batch-invariant projection instead of
+# ``_skinny_config``'s (benchmarks)
 SKINNY_CONFIG: tuple[int, int, int, int] | None = None
 # vocabulary entries a ``top1`` program scans
 _TOP1_BLOCK = 2048
@@ -437,13 +445,11 @@ def paged_attention_twin(
 # Projections of few rows (decode, verify, a drafter's chain)
 
 
-def skinny_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear`` and its fused forms run their kernel for ``x`` [rows, in] and ``weight``
-    [out, in] (else their twins: cuBLAS)."""
+def _skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the skinny kernel can take ``x`` [rows, in] against ``weight`` [out, in]."""
     rows = x.numel() // max(1, x.shape[-1])
     return (
         triton_enabled(x)
-        and BATCH_INVARIANT
         and 0 < rows <= SKINNY_MAX_ROWS
         and isinstance(weight, torch.Tensor)
         and weight.dim() == 2
@@ -453,132 +459,88 @@ def skinny_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def projection_config(
+    x: torch.Tensor,  # [rows, in]
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None = None,
+) -> tuple[int, int, int, int] | None:
+    """The skinny kernel's config ``linear`` runs for this call, or None for cuBLAS (the twin).
+
+    Batch invariant: the kernel for up to ``SKINNY_MAX_ROWS`` rows, its config chosen by the shape
+    alone. Else, with ``SKINNY_DISPATCH`` on CUDA: whichever of cuBLAS and the kernel's configs
+    replayed fastest for the shape and the rows (rounded up to a power of two), timed once, the
+    first time such a call runs outside a capture (one captured before that gets cuBLAS)."""
+    if not _skinny_fits(x, weight):
+        return None
+    out_features, k = weight.shape
+    key = (out_features, k, bias is not None, x.dtype, x.device)
+    if BATCH_INVARIANT:
+        return _skinny_config(key, 1, weight, bias)
+    if not SKINNY_DISPATCH:
+        return None
+    rows = x.numel() // x.shape[-1]
+    return _dispatch_config(key, triton.next_power_of_2(rows), weight, bias)
+
+
 def linear(
     x: torch.Tensor,  # [n, in]
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
     out: torch.Tensor | None = None,  # [n, out] contiguous, x.dtype: written instead of a new tensor
 ) -> torch.Tensor:  # [n, out] x.dtype
-    if not skinny_takes(x, weight):
-        y = linear_twin(x, weight, bias)
-        return y if out is None else out.copy_(y)
-    return _skinny_launch(x, None, None, 0.0, weight, bias, prologue=0, out=out)[1]
-
-
-def norm_linear(
-    x: torch.Tensor,  # [n, in]
-    residual: torch.Tensor | None,  # [n, in]; None: no residual add
-    norm_weight: torch.Tensor,  # [in]
-    eps: float,
-    weight: torch.Tensor,  # [out, in]
-    bias: torch.Tensor | None = None,  # [out]
-) -> tuple[torch.Tensor, torch.Tensor]:  # (x + residual, or x; the projection of its RMSNorm [n, out])
-    if not skinny_takes(x, weight):
-        return norm_linear_twin(x, residual, norm_weight, eps, weight, bias)
-    return _skinny_launch(x, residual, norm_weight, eps, weight, bias, prologue=1)
-
-
-def silu_linear(
-    gate_up: torch.Tensor,  # [n, 2 * in]
-    weight: torch.Tensor,  # [out, in]
-    bias: torch.Tensor | None = None,  # [out]
-) -> torch.Tensor:  # [n, out]: the projection of silu(gate) * up
-    if not skinny_takes(gate_up, weight):
-        return silu_linear_twin(gate_up, weight, bias)
-    return _skinny_launch(gate_up, None, None, 0.0, weight, bias, prologue=2)[1]
+    config = projection_config(x, weight, bias)
+    if config is None:
+        return linear_twin(x, weight, bias, out)
+    return _skinny_launch(x, weight, bias, config, out)
 
 
 def linear_twin(
     x: torch.Tensor,  # [n, in]
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,  # [n, out] contiguous
 ) -> torch.Tensor:  # [n, out]
-    return F.linear(x, weight, bias)
-
-
-def norm_linear_twin(
-    x: torch.Tensor,  # [n, in]
-    residual: torch.Tensor | None,  # [n, in]
-    norm_weight: torch.Tensor,  # [in]
-    eps: float,
-    weight: torch.Tensor,  # [out, in]
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([n, in], [n, out])
-    if residual is None:
-        total, h = x, rms_norm(x, norm_weight, eps)
-    else:
-        total, h = add_rms_norm(x, residual, norm_weight, eps)
-    return total, F.linear(h, weight, bias)
-
-
-def silu_linear_twin(
-    gate_up: torch.Tensor,  # [n, 2 * in]
-    weight: torch.Tensor,  # [out, in]
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:  # [n, out]
-    return F.linear(silu_mul(gate_up), weight, bias)
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None and x.dim() == 2:
+        return torch.mm(x, weight.t(), out=out)
+    return out.copy_(F.linear(x, weight, bias).view_as(out))
 
 
 def _skinny_launch(
-    x: torch.Tensor,  # [n, in] (prologue 2: [n, 2 * in])
-    residual: torch.Tensor | None,  # [n, in]
-    norm_weight: torch.Tensor | None,  # [in]
-    eps: float,
+    x: torch.Tensor,  # [n, in]
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None,  # [out]
-    prologue: int,  # 0: x as it is; 1: RMSNorm of x (+ residual); 2: silu(gate) * up
+    config: tuple[int, int, int, int],  # (BLOCK_N, BLOCK_K, warps, stages)
     out: torch.Tensor | None = None,  # [n, out] contiguous
-) -> tuple[torch.Tensor, torch.Tensor]:  # (the residual sum, or x; the projection [n, out])
+) -> torch.Tensor:  # [n, out] (x's leading dimensions)
     shape = x.shape
     x2 = _rows(x)
     n, k = x2.shape[0], weight.shape[1]
     out_features = weight.shape[0]
     y = torch.empty(n, out_features, dtype=x.dtype, device=x.device) if out is None else out
-    total = x
-    res2 = x2
-    if residual is not None:
-        res2 = _rows(residual)
-        total = torch.empty(shape, dtype=x.dtype, device=x.device)
-    norm_weight = norm_weight if norm_weight is not None else weight
-    bias_or = bias if bias is not None else weight
-
-    def launch(config: tuple[int, int, int, int], x2=x2, res2=res2, y=y, total=total, n=n) -> None:
-        block_n, block_k, warps, stages = config
-        row_tiles = triton.cdiv(n, _SKINNY_BLOCK_M)
-        _skinny_kernel[(row_tiles * triton.cdiv(out_features, block_n),)](
-            x2,
-            res2,
-            norm_weight,
-            weight,
-            bias_or,
-            y,
-            total,
-            n,
-            out_features,
-            k,
-            x2.stride(0),
-            res2.stride(0),
-            weight.stride(0),
-            row_tiles,
-            eps,
-            PROLOGUE=prologue,
-            HAS_RES=residual is not None,
-            HAS_BIAS=bias is not None,
-            BLOCK_M=_SKINNY_BLOCK_M,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            DOT_F32=x.dtype == torch.float32 or _INTERPRET,
-            num_warps=warps,
-            num_stages=stages,
-        )
-
-    def trial(config: tuple[int, int, int, int]) -> None:  # one row, into scratch outputs
-        scratch_total = torch.empty_like(total[:1].reshape(1, -1)) if residual is not None else x2[:1]
-        launch(config, x2[:1], res2[:1], torch.empty_like(y[:1]), scratch_total, 1)
-
-    key = (prologue, residual is not None, bias is not None, x.dtype)
-    launch(_skinny_config(out_features, k, x.device, key, trial))
-    return total, y if len(shape) == 2 else y.view(*shape[:-1], out_features)
+    block_n, block_k, warps, stages = config
+    row_tiles = triton.cdiv(n, _SKINNY_BLOCK_M)
+    _skinny_kernel[(row_tiles * triton.cdiv(out_features, block_n),)](
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        n,
+        out_features,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        row_tiles,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=_SKINNY_BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_F32=x.dtype == torch.float32 or _INTERPRET,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return y if len(shape) == 2 else y.view(*shape[:-1], out_features)
 
 
 def _skinny_heuristic(out_features: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
@@ -595,64 +557,147 @@ def _skinny_heuristic(out_features: int, k: int, device: torch.device) -> tuple[
 
 
 def _skinny_candidates(out_features: int, k: int, device: torch.device) -> list[tuple[int, int, int, int]]:
-    """The heuristic's config, the other reduction chunk, and narrower tiles with a deeper pipeline."""
+    """The heuristic's config, the other reduction chunk, narrower tiles with a deeper pipeline, and
+    the narrowest tiles (the most programs: long reductions over few outputs, like a down
+    projection, want them)."""
     block_n, block_k, warps, stages = _skinny_heuristic(out_features, k, device)
     other_k = min(384 - block_k, triton.next_power_of_2(k))
     out = [
         (block_n, block_k, warps, stages),
         (block_n, other_k, warps, stages),
         (max(16, block_n // 2), block_k, 4, 4),
+        (16, min(256, triton.next_power_of_2(k)), 4, 4),
     ]
     return list(dict.fromkeys(out))
 
 
-# (out, in, prologue, residual, bias, dtype, device) -> the config a projection of that shape runs with
+# (out, in, bias, dtype, device) -> the config a batch-invariant projection of that shape runs with
 _SKINNY_CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}
+# (out, in, bias, dtype, device, rows) -> the dispatch's choice (None: cuBLAS)
+_DISPATCH_CHOSEN: dict[tuple, tuple[int, int, int, int] | None] = {}
+# every timing of candidates: {"out", "in", "rows", "bias", "dtype", "us": {candidate: us}, "chosen"}
+TUNING_RECORD: list[dict] = []
 
 
 def _skinny_config(
-    out_features: int,
-    k: int,
-    device: torch.device,
-    key: tuple = (),
-    run=None,  # config -> None: one call of the projection with that config (for timing)
+    key: tuple,  # (out, in, bias, dtype, device)
+    rows: int,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
 ) -> tuple[int, int, int, int]:
-    """The projection's kernel config. On CUDA each shape's candidates are timed once (one row,
-    replayed in a CUDA graph) the first time the shape runs outside a capture, and the fastest is
-    kept for every later call, whatever its rows: the choice depends on the shape alone, never on
-    the rows, so the reduction order (and each row's result) does not."""
+    """The batch-invariant projection's kernel config. On CUDA each shape's candidates are timed
+    once (one row) the first time the shape runs outside a capture, and the fastest is kept for
+    every later call, whatever its rows: the choice depends on the shape alone, never on the rows,
+    so the reduction order (and each row's result) does not."""
     if SKINNY_CONFIG is not None:
         return SKINNY_CONFIG
-    full = (out_features, k, *key, device)
-    chosen = _SKINNY_CHOSEN.get(full)
+    chosen = _SKINNY_CHOSEN.get(key)
     if chosen is None:
+        out_features, k, device = key[0], key[1], key[-1]
         chosen = _skinny_heuristic(out_features, k, device)
-        if device.type == "cuda" and run is not None and not torch.cuda.is_current_stream_capturing():
-            chosen = _time_candidates(_skinny_candidates(out_features, k, device), run) or chosen
-        _SKINNY_CHOSEN[full] = chosen
+        if _can_time(device):
+            times = _time_projection(_skinny_candidates(out_features, k, device), key, rows, weight, bias)
+            chosen = min(times, key=times.get) if times else chosen
+        _SKINNY_CHOSEN[key] = chosen
     return chosen
 
 
-def _time_candidates(candidates: list[tuple[int, int, int, int]], run) -> tuple[int, int, int, int] | None:
-    """The candidate whose calls replay fastest in a CUDA graph (10 calls, best of 5 replays), or
-    None when timing fails (the heuristic's config is used, with a warning)."""
-    best, best_ms = None, float("inf")
-    try:
-        for config in candidates:
-            graph, _ = capture_graph(lambda config=config: [run(config) for _ in range(10)])
-            times = []
-            for _ in range(5):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            if min(times) < best_ms:
-                best, best_ms = config, min(times)
-    except Exception as err:  # a config that fails to build or capture: keep the heuristic's
-        log.warning("skinny projection tuning failed (%s); the heuristic config is used", err)
-        return None
+def _dispatch_config(
+    key: tuple,  # (out, in, bias, dtype, device)
+    rows: int,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[int, int, int, int] | None:
+    """``SKINNY_DISPATCH``'s choice for the shape and rows: None (cuBLAS) or a kernel config."""
+    full = (*key, rows)
+    if full in _DISPATCH_CHOSEN:
+        return _DISPATCH_CHOSEN[full]
+    if not _can_time(key[-1]):
+        return None  # inside a capture: cuBLAS, decided again at the next call outside one
+    candidates = [None, *_skinny_candidates(key[0], key[1], key[-1])]
+    times = _time_projection(candidates, key, rows, weight, bias)
+    chosen = min(times, key=times.get) if times else None
+    _DISPATCH_CHOSEN[full] = chosen
+    return chosen
+
+
+def _can_time(device: torch.device) -> bool:
+    return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
+def _time_projection(
+    candidates: list[tuple[int, int, int, int] | None],  # None: cuBLAS
+    key: tuple,  # (out, in, bias, dtype, device)
+    rows: int,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> dict[tuple[int, int, int, int] | None, float]:
+    """{candidate: us a call} for a projection of ``rows`` rows, each candidate's calls replayed in a
+    CUDA graph over copies of the weight too large together for L2 (the weights of a real pass come
+    from memory, not L2). A candidate that fails to build or capture is left out (logged)."""
+    out_features, k, _, dtype, device = key
+    x = torch.randn(rows, k, device=device).to(dtype)
+    y = torch.empty(rows, out_features, dtype=dtype, device=device)
+    weights = _weight_copies(weight)
+    calls = max(10, len(weights))
+
+    def run(candidate, w: torch.Tensor) -> None:
+        if candidate is None:
+            linear_twin(x, w, bias, None if bias is not None else y)
+        else:
+            _skinny_launch(x, w, bias, candidate, y)
+
+    times = {}
+    for candidate in candidates:
+        try:
+            ms = _replay_ms(lambda c=candidate: [run(c, weights[i % len(weights)]) for i in range(calls)])
+        except Exception as err:  # e.g. a config whose tiles exceed the device's shared memory
+            log.info("projection %s candidate %s left out: %s", key[:2], candidate, err)
+            continue
+        times[candidate] = ms * 1000 / calls
+    if times:
+        chosen = min(times, key=times.get)
+        TUNING_RECORD.append(
+            {
+                "out": out_features,
+                "in": k,
+                "rows": rows,
+                "bias": bias is not None,
+                "dtype": str(dtype),
+                "invariant": BATCH_INVARIANT,
+                "us": {_name(c): round(us, 2) for c, us in times.items()},
+                "chosen": _name(chosen),
+            }
+        )
+    else:
+        log.warning("projection %s: no candidate could be timed; the default is used", key[:2])
+    return times
+
+
+def _name(candidate: tuple[int, int, int, int] | None) -> str:
+    return "cublas" if candidate is None else ",".join(map(str, candidate))
+
+
+def _weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """``weight`` and enough copies of it to hold twice the device's L2 cache (one when the weight
+    alone is larger, 64 at most)."""
+    l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 0) or (50 << 20)
+    size = weight.numel() * weight.element_size()
+    count = 1 if size >= l2 else min(64, -(-2 * l2 // size))
+    return [weight] + [weight.clone() for _ in range(count - 1)]
+
+
+def _replay_ms(fn: Callable[[], object]) -> float:
+    """The best of 5 replays of ``fn`` captured as a CUDA graph, in ms."""
+    graph, _ = capture_graph(fn)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
     return best
 
 
@@ -975,23 +1020,16 @@ if triton is not None:
 
     @triton.jit
     def _skinny_kernel(
-        x_ptr,  # [n, in] (PROLOGUE 2: [n, 2 * in])
-        r_ptr,  # [n, in] residual (x_ptr when HAS_RES is off)
-        nw_ptr,  # [in] RMSNorm weight (PROLOGUE 1)
+        x_ptr,  # [n, in]
         w_ptr,  # [out, in]
         b_ptr,  # [out]
         y_ptr,  # [n, out] contiguous
-        sum_ptr,  # [n, in] contiguous: x + residual (HAS_RES)
         n,
         n_out,
         k_dim,
         sx,
-        sr,
         sw,
         row_tiles,
-        eps,
-        PROLOGUE: tl.constexpr,
-        HAS_RES: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -999,9 +1037,8 @@ if triton is not None:
         DOT_F32: tl.constexpr,
     ):
         """One program per (tile of BLOCK_N outputs, tile of BLOCK_M rows), the row tiles of one
-        output tile next to each other (they read the same weights, from L2 after the first). The
-        input is made on the fly: as it is, the RMSNorm of x (+ residual; the first output tile's
-        programs store the sum), or silu(gate) * up, rounded to x's dtype as the twins round it."""
+        output tile next to each other (they read the same weights, from L2 after the first); the
+        reduction runs in BLOCK_K chunks in a fixed order."""
         pid = tl.program_id(0)
         row_tile = pid % row_tiles
         col_tile = pid // row_tiles
@@ -1011,37 +1048,14 @@ if triton is not None:
         col_ok = cols < n_out
         kk = tl.arange(0, BLOCK_K)
         rows64 = rows.to(tl.int64)
-        rstd = tl.zeros([BLOCK_M], tl.float32)
-        if PROLOGUE == 1:
-            ss = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, k_dim, BLOCK_K):
-                m = row_ok[:, None] & (k0 + kk < k_dim)[None, :]
-                a = tl.load(x_ptr + rows64[:, None] * sx + (k0 + kk)[None, :], mask=m, other=0.0)
-                if HAS_RES:
-                    r = tl.load(r_ptr + rows64[:, None] * sr + (k0 + kk)[None, :], mask=m, other=0.0)
-                    a = (a.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                af = a.to(tl.float32)
-                ss += tl.sum(af * af, axis=1)
-            rstd = tl.math.rsqrt(ss / k_dim + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, k_dim, BLOCK_K):
             k_ok = k0 + kk < k_dim
-            m = row_ok[:, None] & k_ok[None, :]
-            if PROLOGUE == 2:
-                src = x_ptr + rows64[:, None] * sx + (k0 + kk)[None, :]
-                g = tl.load(src, mask=m, other=0.0).to(tl.float32)
-                u = tl.load(src + k_dim, mask=m, other=0.0).to(tl.float32)
-                a = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty)
-            else:
-                a = tl.load(x_ptr + rows64[:, None] * sx + (k0 + kk)[None, :], mask=m, other=0.0)
-                if PROLOGUE == 1:
-                    if HAS_RES:
-                        r = tl.load(r_ptr + rows64[:, None] * sr + (k0 + kk)[None, :], mask=m, other=0.0)
-                        a = (a.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                        if col_tile == 0:
-                            tl.store(sum_ptr + rows64[:, None] * k_dim + (k0 + kk)[None, :], a, mask=m)
-                    nw = tl.load(nw_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
-                    a = (nw[None, :] * (a.to(tl.float32) * rstd[:, None])).to(x_ptr.dtype.element_ty)
+            a = tl.load(
+                x_ptr + rows64[:, None] * sx + (k0 + kk)[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
             w = tl.load(
                 w_ptr + cols.to(tl.int64)[:, None] * sw + (k0 + kk)[None, :],
                 mask=col_ok[:, None] & k_ok[None, :],

@@ -376,8 +376,8 @@ class LlamaModel(nn.Module):
         return fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)[1]
 
     def decode_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] the head's dtype
-        """The head over a fixed-shape pass's rows, in the head's dtype (few rows: the skinny kernel,
-        whose rows do not depend on each other)."""
+        """The head over a fixed-shape pass's rows, in the head's dtype (``fused_ops.linear``: with
+        batch invariance, rows that do not depend on each other)."""
         return _project(hidden, self.lm_head)
 
     @torch.inference_mode()
@@ -404,20 +404,14 @@ def _norm_project(
     norm: RMSNorm,
     projection: nn.Module,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (the residual stream, the projection of its norm)
-    plain = _plain(projection)
-    if plain is not None:
-        return fused_ops.norm_linear(x, residual, norm.weight, norm.eps, *plain)
     if residual is None:
-        return x, projection(fused_ops.rms_norm(x, norm.weight, norm.eps))
+        return x, _project(fused_ops.rms_norm(x, norm.weight, norm.eps), projection)
     residual, h = fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-    return residual, projection(h)
+    return residual, _project(h, projection)
 
 
 def _silu_project(gate_up: torch.Tensor, projection: nn.Module) -> torch.Tensor:
-    plain = _plain(projection)
-    return (
-        projection(fused_ops.silu_mul(gate_up)) if plain is None else fused_ops.silu_linear(gate_up, *plain)
-    )
+    return _project(fused_ops.silu_mul(gate_up), projection)
 
 
 def _build_stack(model: LlamaModel):

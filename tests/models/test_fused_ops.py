@@ -277,33 +277,20 @@ def test_paged_attention_kernel_rows_do_not_depend_on_the_batch(dtype, invariant
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 6, 40])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_skinny_projection_kernels(dtype, rows, invariant):
-    """linear, norm_linear (with and without a residual, with a bias) and silu_linear against their
-    twins, and each row bitwise the same computed alone."""
+def test_skinny_projection_kernel(dtype, rows, invariant):
+    """linear (with and without a bias, into a given tensor) against its twin, and each row bitwise
+    the same computed alone."""
     torch.manual_seed(0)
     k, n_out = 160, 200
-    x, residual = (torch.randn(rows, k, device=_DEVICE).to(dtype) for _ in range(2))
+    x = torch.randn(rows, k, device=_DEVICE).to(dtype)
     weight = (torch.randn(n_out, k, device=_DEVICE) * 0.1).to(dtype)
     bias = torch.randn(n_out, device=_DEVICE).to(dtype)
-    norm_weight = (torch.rand(k, device=_DEVICE) + 0.5).to(dtype)
-    gate_up = torch.randn(rows, 2 * k, device=_DEVICE).to(dtype)
+    assert fo.projection_config(x, weight, bias) is not None  # the kernel, not cuBLAS
 
     out = fo.linear(x, weight, bias)
     assert out.shape == (rows, n_out) and out.dtype == dtype
     _close(out, fo.linear_twin(x, weight, bias), dtype)
     _same_rows(fo.linear(x[-1:], weight, bias), out[-1:], dtype)
-
-    for res in (None, residual):
-        total, out = fo.norm_linear(x, res, norm_weight, 1e-6, weight, bias)
-        ref_total, ref = fo.norm_linear_twin(x, res, norm_weight, 1e-6, weight, bias)
-        _close(total, ref_total, dtype)
-        _close(out, ref, dtype)
-        alone = fo.norm_linear(x[-1:], None if res is None else res[-1:], norm_weight, 1e-6, weight, bias)
-        _same_rows(alone[1], out[-1:], dtype)
-
-    out = fo.silu_linear(gate_up, weight)
-    _close(out, fo.silu_linear_twin(gate_up, weight), dtype)
-    _same_rows(fo.silu_linear(gate_up[-1:], weight), out[-1:], dtype)
 
     written = torch.empty(rows, n_out, dtype=dtype, device=_DEVICE)
     assert fo.linear(x, weight, out=written).data_ptr() == written.data_ptr()
@@ -314,12 +301,43 @@ def test_skinny_projection_kernels(dtype, rows, invariant):
 def test_skinny_kernel_takes_few_rows_only_when_batch_invariant(monkeypatch):
     x = torch.randn(fo.SKINNY_MAX_ROWS + 1, 32, device=_DEVICE)
     weight = torch.randn(48, 32, device=_DEVICE)
-    assert not fo.skinny_takes(x[:1], weight)  # off by default: cuBLAS
+    assert fo.projection_config(x[:1], weight) is None  # off by default: cuBLAS
     monkeypatch.setattr(fo, "BATCH_INVARIANT", True)
-    assert fo.skinny_takes(x[:1], weight) and fo.skinny_takes(x[:-1], weight)
-    assert not fo.skinny_takes(x, weight)
-    assert not fo.skinny_takes(x[:1], weight.bfloat16())
+    assert fo.projection_config(x[:1], weight) == fo.projection_config(x[:-1], weight) is not None
+    assert fo.projection_config(x, weight) is None
+    assert fo.projection_config(x[:1], weight.bfloat16()) is None
     assert torch.equal(fo.linear(x, weight), F.linear(x, weight))  # beyond the rows: the twin
+
+
+@needs_kernels
+def test_kernel_dispatch_runs_what_timed_fastest(monkeypatch):
+    """SKINNY_DISPATCH: each (shape, row bucket) runs the candidate its timing put first, decided once;
+    a call that cannot time (inside a capture; no GPU) runs cuBLAS and decides later."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 64, device=_DEVICE)
+    weight = torch.randn(80, 64, device=_DEVICE) * 0.1
+    config = (16, 64, 4, 3)
+    timed = []
+
+    def fake_times(candidates, key, rows, w, bias):
+        timed.append((key[:2], rows, candidates))
+        return {c: 2.0 for c in candidates} | {config: 1.0} if key[0] == 80 else {None: 1.0}
+
+    monkeypatch.setattr(fo, "SKINNY_DISPATCH", True)
+    monkeypatch.setattr(fo, "_DISPATCH_CHOSEN", {})
+    monkeypatch.setattr(fo, "_time_projection", fake_times)
+    monkeypatch.setattr(fo, "_can_time", lambda device: False)
+    assert fo.projection_config(x, weight) is None and not timed  # cannot time: cuBLAS, not kept
+    monkeypatch.setattr(fo, "_can_time", lambda device: True)
+    assert fo.projection_config(x, weight) == config
+    assert timed == [((80, 64), 8, [None, *fo._skinny_candidates(80, 64, x.device)])]  # 6 rows: bucket 8
+    _close(fo.linear(x, weight), fo.linear_twin(x, weight), torch.float32)
+    fo.linear(x[:5], weight)  # the same bucket: decided already
+    assert len(timed) == 1
+    assert fo.projection_config(x[:1], weight) == config and len(timed) == 2  # bucket 1: its own timing
+    other = torch.randn(48, 64, device=_DEVICE)
+    assert fo.projection_config(x, other) is None  # cuBLAS timed fastest for this shape
+    assert torch.equal(fo.linear(x, other), F.linear(x, other))
 
 
 @needs_kernels
@@ -363,6 +381,7 @@ def test_each_op_replays_in_cuda_graph(invariant):
     qa, ka, va, block_table, seq_lens, _ = _attention_case(2, 3, [20, 40], 14, 2, 64, 16, dtype, dev)
     proj = (torch.randn(300, 256, device=dev) * 0.1).to(dtype)
     down = (torch.randn(256, 300, device=dev) * 0.1).to(dtype)
+    bias = torch.randn(256, device=dev).to(dtype)
     logits = torch.randn(4, 3000, dtype=dtype, device=dev)
 
     graphs = {
@@ -379,8 +398,7 @@ def test_each_op_replays_in_cuda_graph(invariant):
             lambda: fo.paged_attention(qa, ka, va, block_table, seq_lens, 3, 16, 64**-0.5, num_splits=3)
         ),
         "linear": fo.capture_graph(lambda: fo.linear(x, proj)),
-        "norm_linear": fo.capture_graph(lambda: fo.norm_linear(x, residual, weight.to(dtype), 1e-6, proj)),
-        "silu_linear": fo.capture_graph(lambda: fo.silu_linear(gate_up, down)),
+        "linear_bias": fo.capture_graph(lambda: fo.linear(gate_up[:, :300], down, bias)),
         "top1": fo.capture_graph(lambda: fo.top1(logits)),
     }
     # new inputs in the same buffers, then replays without a host sync
@@ -412,12 +430,35 @@ def test_each_op_replays_in_cuda_graph(invariant):
     ref = fo.paged_attention_twin(qa, ka, va, block_table, seq_lens, 3, 16, 64**-0.5)
     _close(graphs["paged_attention_splits"][1], ref, dtype)
     _close(graphs["linear"][1], fo.linear_twin(x, proj), dtype)
-    for out, ref in zip(
-        graphs["norm_linear"][1], fo.norm_linear_twin(x, residual, weight.to(dtype), 1e-6, proj)
-    ):
-        _close(out, ref, dtype)
-    _close(graphs["silu_linear"][1], fo.silu_linear_twin(gate_up, down), dtype)
+    _close(graphs["linear_bias"][1], fo.linear_twin(gate_up[:, :300], down, bias), dtype)
     assert torch.equal(graphs["top1"][1][0], fo.top1_twin(logits)[0])
+
+
+@needs_cuda
+@pytest.mark.skipif(fo.triton is None, reason="triton is not installed")
+def test_dispatch_times_on_the_device(monkeypatch):
+    """SKINNY_DISPATCH on the GPU: each shape and row bucket timed once (cuBLAS among the candidates,
+    over weight copies larger than L2), the choice then captured and replayed like any op."""
+    torch.manual_seed(0)
+    dtype, dev = torch.bfloat16, "cuda"
+    monkeypatch.setattr(fo, "SKINNY_DISPATCH", True)
+    monkeypatch.setattr(fo, "_DISPATCH_CHOSEN", {})
+    monkeypatch.setattr(fo, "TUNING_RECORD", [])
+    weight = (torch.randn(640, 896, device=dev) * 0.05).to(dtype)
+    bias = torch.randn(640, device=dev).to(dtype)
+    copies = fo._weight_copies(weight)
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    assert len(copies) == 64 or len(copies) * weight.numel() * weight.element_size() >= 2 * l2
+    for rows in (1, 6):
+        x = torch.randn(rows, 896, device=dev).to(dtype)
+        _close(fo.linear(x, weight, bias), fo.linear_twin(x, weight, bias), dtype)
+        graph, out = fo.capture_graph(lambda x=x: fo.linear(x, weight, bias))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        _close(out, fo.linear_twin(x, weight, bias), dtype)
+    assert [(r["rows"], r["out"], r["in"]) for r in fo.TUNING_RECORD] == [(1, 640, 896), (8, 640, 896)]
+    assert all("cublas" in r["us"] and r["chosen"] in r["us"] for r in fo.TUNING_RECORD)
 
 
 # ---------------------------------------------------------------------------------------------------
