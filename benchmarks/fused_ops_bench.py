@@ -179,8 +179,6 @@ def _dispatch(model: str, shape: Shape, rows: list[int], dtype: torch.dtype, dev
                 before = len(fused_ops.TUNING_RECORD)
                 fused_ops.linear(torch.randn(n, w.shape[1], dtype=dtype, device=device), w, bias)
                 out += [{"model": model, "op": op} | r for r in fused_ops.TUNING_RECORD[before:]]
-            del w, bias
-            torch.cuda.empty_cache()
     finally:
         fused_ops.SKINNY_DISPATCH = False
     return out

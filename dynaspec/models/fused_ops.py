@@ -475,7 +475,7 @@ def projection_config(
     out_features, k = weight.shape
     key = (out_features, k, bias is not None, x.dtype, x.device)
     if BATCH_INVARIANT:
-        return _skinny_config(key, 1, weight, bias)
+        return _skinny_config(key, weight, bias)
     if not SKINNY_DISPATCH:
         return None
     rows = x.numel() // x.shape[-1]
@@ -581,7 +581,6 @@ TUNING_RECORD: list[dict] = []
 
 def _skinny_config(
     key: tuple,  # (out, in, bias, dtype, device)
-    rows: int,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> tuple[int, int, int, int]:
@@ -596,8 +595,8 @@ def _skinny_config(
         out_features, k, device = key[0], key[1], key[-1]
         chosen = _skinny_heuristic(out_features, k, device)
         if _can_time(device):
-            times = _time_projection(_skinny_candidates(out_features, k, device), key, rows, weight, bias)
-            chosen = min(times, key=times.get) if times else chosen
+            candidates = _skinny_candidates(out_features, k, device)
+            chosen = _fastest(candidates, key, 1, weight, bias, default=chosen)
         _SKINNY_CHOSEN[key] = chosen
     return chosen
 
@@ -615,8 +614,7 @@ def _dispatch_config(
     if not _can_time(key[-1]):
         return None  # inside a capture: cuBLAS, decided again at the next call outside one
     candidates = [None, *_skinny_candidates(key[0], key[1], key[-1])]
-    times = _time_projection(candidates, key, rows, weight, bias)
-    chosen = min(times, key=times.get) if times else None
+    chosen = _fastest(candidates, key, rows, weight, bias, default=None)
     _DISPATCH_CHOSEN[full] = chosen
     return chosen
 
@@ -625,16 +623,18 @@ def _can_time(device: torch.device) -> bool:
     return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
 
 
-def _time_projection(
+def _fastest(
     candidates: list[tuple[int, int, int, int] | None],  # None: cuBLAS
     key: tuple,  # (out, in, bias, dtype, device)
     rows: int,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-) -> dict[tuple[int, int, int, int] | None, float]:
-    """{candidate: us a call} for a projection of ``rows`` rows, each candidate's calls replayed in a
-    CUDA graph over copies of the weight too large together for L2 (the weights of a real pass come
-    from memory, not L2). A candidate that fails to build or capture is left out (logged)."""
+    default: tuple[int, int, int, int] | None,
+) -> tuple[int, int, int, int] | None:
+    """The candidate whose calls on ``rows`` rows replayed fastest in a CUDA graph over copies of the
+    weight too large together for L2 (the weights of a real pass come from memory, not L2), its
+    timings added to ``TUNING_RECORD``; ``default`` when none could be timed. A candidate that fails
+    to build or capture is left out (logged)."""
     out_features, k, _, dtype, device = key
     x = torch.randn(rows, k, device=device).to(dtype)
     y = torch.empty(rows, out_features, dtype=dtype, device=device)
@@ -669,9 +669,9 @@ def _time_projection(
                 "chosen": _name(chosen),
             }
         )
-    else:
-        log.warning("projection %s: no candidate could be timed; the default is used", key[:2])
-    return times
+        return chosen
+    log.warning("projection %s: no candidate could be timed; the default is used", key[:2])
+    return default
 
 
 def _name(candidate: tuple[int, int, int, int] | None) -> str:
