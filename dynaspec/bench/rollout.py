@@ -84,6 +84,15 @@ def add_parser(sub) -> None:
         help="the same prompts again with new seeds, the proposer's memory kept (a suffix cache: RL's next "
         "epoch); reported per epoch as '<config> e<N>'",
     )
+    p.add_argument(
+        "--also-speculative-config",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="another drafter run side by side, in the same rounds, with the same fixed Ks and policies "
+        '(its own profile: its "dynamic_config_path", a file or "auto"); repeatable. With several '
+        "drafters each config's name starts with its drafter's method",
+    )
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--rollout-seed", type=int, default=0, help="lengths and per-request sampling seeds")
     p.add_argument(
@@ -114,6 +123,20 @@ class _Traced:
 
     def snapshot(self) -> dict:
         return self.inner.snapshot()
+
+
+def drafter_names(specs: list) -> list[str]:
+    """The prefix of each drafter's config names: none for a lone drafter, else its method (and its
+    place among drafters of the same method)."""
+    if len(specs) == 1:
+        return [""]
+    methods = [s.method for s in specs]
+    return [m if methods.count(m) == 1 else f"{m}#{methods[: i + 1].count(m)}" for i, m in enumerate(methods)]
+
+
+def is_fixed(config: str) -> bool:
+    """A configuration without a K policy: no speculation or a fixed K, of any drafter."""
+    return any(word == "none" or word.startswith("K=") for word in config.split(" "))
 
 
 def lengths_for(args: argparse.Namespace, n: int) -> list[int]:
@@ -262,52 +285,68 @@ def run(args: argparse.Namespace) -> int:
         ("--rounds", args.rounds, 1),
         ("--length-sigma", args.length_sigma, 0),
     )
-    spec = SpeculativeConfig.parse(args.speculative_config)
-    if spec is None:
+    texts = [args.speculative_config, *args.also_speculative_config]
+    specs = [SpeculativeConfig.parse(text) for text in texts]
+    if specs[0] is None:
         raise ValueError(
             "--speculative-config: the rollout compares speculation, it needs the drafter's config"
         )
+    if any(s is None for s in specs[1:]):
+        raise ValueError("--also-speculative-config: a drafter's config, not null")
     fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k.strip()]
-    auto = spec.dynamic_config_path == AUTO
-    if auto and args.profile:
+    if args.profile and specs[0].dynamic_config_path == AUTO:
         raise ValueError('--profile: the speculative config already says "dynamic_config_path": "auto"')
-    profile = load_profile(args.profile) if args.profile else None
-    profiled_k = profile.max_num_speculative_tokens if profile else 1
-    if auto:
-        profiled_k = spec.num_speculative_tokens or AUTO_MAX_K
-    max_k = max([*fixed_ks, profiled_k])
     chosen = [name.strip() for name in args.policies.split(",") if name.strip()]
     unknown = sorted(set(chosen) - {"table", *DYNAMIC_CONFIGS})
     if unknown:
         raise ValueError(f"--policies: unknown {', '.join(unknown)} (table, {', '.join(DYNAMIC_CONFIGS)})")
     window = args.draft_context_window
-    if window is not None and (spec.method != "draft_model" or window < 0):
+    if window is not None and (all(s.method != "draft_model" for s in specs) or window < 0):
         raise ValueError(
             "--draft-context-window: a token count (0: the whole context), for method draft_model only"
         )
+    # each drafter's profile: --profile for the first, else its own dynamic_config_path (a file, or
+    # "auto": the engine's own, made on first use below); the deepest K any configuration drafts
+    paths = [args.profile or specs[0].dynamic_config_path] + [s.dynamic_config_path for s in specs[1:]]
+    profiles = [load_profile(path) if path and path != AUTO else None for path in paths]
+    deepest_k = [
+        known.max_num_speculative_tokens
+        if known
+        else (s.num_speculative_tokens or AUTO_MAX_K)
+        if path == AUTO
+        else 1
+        for s, known, path in zip(specs, profiles, paths)
+    ]
+    max_k = max([*fixed_ks, *deepest_k])
     num_requests = args.num_prompts * args.samples_per_prompt
     kwargs = engine_kwargs(args)
     kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], num_requests)
     kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], num_requests * (max_k + 1))
-    spec_dict = {**spec.to_dict(), "num_speculative_tokens": max_k}
-    spec_dict.pop("num_speculative_tokens_per_batch_size", None)
-    spec_dict.pop("dynamic_config_path", None)
-    engines = {
-        "none": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None})),
-        "spec": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict})),
-    }
-    if auto:  # the profile an engine with this config makes (or reads back) on first use
-        profile = auto_profile(engines["spec"], spec)
-    policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
-    policies = {name: f for name, f in policies.items() if name.startswith("K=") or name in chosen}
-    # config name -> (K policy factory, the drafter's context window); "none" runs on an engine
-    # without a drafter, the rest share one, whose window is set before each run
-    windows = [spec.context_window] + ([window or None] if window is not None else [])
-    plan = {"none": (None, None)} | {
-        name + (f" w={w or 'all'}" if i else ""): (factory, w)
-        for i, w in enumerate(windows)
-        for name, factory in policies.items()
-    }
+    engines = {"none": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None}))}
+    # config name -> (engine, K policy factory, the drafter's context window); "none" runs on an
+    # engine without a drafter, each drafter's configs on its own engine, whose window is set before
+    # each run; with several drafters a config's name starts with its drafter's
+    plan: dict[str, tuple[str, object, int | None]] = {"none": ("none", None, None)}
+    for i, (spec, path) in enumerate(zip(specs, paths)):
+        prefix = drafter_names(specs)[i]
+        spec_dict = {**spec.to_dict(), "num_speculative_tokens": max_k}
+        spec_dict.pop("num_speculative_tokens_per_batch_size", None)
+        spec_dict.pop("dynamic_config_path", None)
+        engines[prefix or "spec"] = engine = Engine(
+            EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict})
+        )
+        if path == AUTO:  # the profile an engine with this config makes (or reads back) on first use
+            profiles[i] = auto_profile(engine, spec)
+        policies = k_policies(fixed_ks, profiles[i], max_k, spec.hysteresis_steps)
+        policies = {name: f for name, f in policies.items() if name.startswith("K=") or name in chosen}
+        windows = [spec.context_window]
+        if window is not None and spec.method == "draft_model":
+            windows.append(window or None)
+        for j, w in enumerate(windows):
+            for name, factory in policies.items():
+                label = (prefix + " " if prefix else "") + name + (f" w={w or 'all'}" if j else "")
+                plan[label] = (prefix or "spec", factory, w)
+    profile = profiles[0]
     configs = list(plan)
     all_prompts = load_prompts(args.dataset, chat=True)
     prompts = [all_prompts[i % len(all_prompts)] for i in range(args.num_prompts)]
@@ -334,8 +373,8 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, list[dict]] = {c + tag: [] for c in configs for tag in epochs}
     for rnd in range(args.rounds):
         for name in configs if rnd % 2 == 0 else configs[::-1]:
-            factory, w = plan[name]
-            engine = engines["none" if factory is None else "spec"]
+            engine_name, factory, w = plan[name]
+            engine = engines[engine_name]
             if factory is not None:
                 engine.set_k_policy(_Traced(factory()))
                 engine.proposer.reset()  # no config drafts from another's outputs (a suffix cache)
@@ -385,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
         )
     for tag in epochs:  # against the best of none and fixed K in the same epoch
         mine = [r for r in rows if r[0].endswith(tag)]
-        best_fixed = min(r[1] for r in mine if r[0].split(" ")[0] not in ("table", *DYNAMIC_CONFIGS))
+        best_fixed = min(r[1] for r in mine if is_fixed(r[0].removesuffix(tag)))
         for row in mine:
             row += [row[1] / best_fixed, same_text[row[0]]]
     columns = ["config", "makespan s", "50% s", "90% s", "tok/s", "longest step s", "x none by round"]
@@ -400,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n{record['config']}: K chosen, steps by running requests")
             print(format_k_by_running(record["k_by_running"]))
     model = None
-    deepest = f"K={max(fixed_ks)}" if fixed_ks else None
+    deepest = next((name for name in plan if name.endswith(f"K={max(fixed_ks)}")), None) if fixed_ks else None
     if profile is not None and deepest is not None and deepest + epochs[0] in results:
         # the acceptance this batch showed at the deepest fixed K, every position drafted
         alpha = results[deepest + epochs[0]][0]["acceptance_per_pos"]

@@ -102,6 +102,53 @@ def test_ngram_rollout_configs_emit_none_s_text_in_each_round(tmp_path, target_d
         assert r["same_text_as_none"] == 2
 
 
+def test_drafters_run_side_by_side_each_with_its_own_profile(tmp_path, target_dir):
+    """n-gram (the --profile) and suffix drafts (the profile its dynamic_config_path names) in the
+    same rounds: each drafter's fixed K and policy under its method's name, every one emitting
+    none's text, on engines of their own (suffix drafts what n-gram cannot: its acceptance differs)."""
+    profile, prompts = tiny_inputs(tmp_path)
+    result = tmp_path / "rollout.json"
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    suffix = {"method": "suffix", "num_speculative_tokens": 2, "dynamic_config_path": str(profile)}
+    rc = main(
+        [
+            "bench", "rollout", "--model", str(target_dir), "--dtype", "float32",
+            "--kv-cache-memory-gb", "0.02", "--speculative-config", json.dumps(ngram),
+            "--also-speculative-config", json.dumps(suffix), "--profile", str(profile),
+            "--policies", "per-request", "--dataset", str(prompts), "--num-prompts", "3",
+            "--samples-per-prompt", "2", "--temperature", "0", "--max-tokens", "16",
+            "--fixed-ks", "2", "--rounds", "2", "--result-file", str(result),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    rows = {r["config"]: r for r in json.loads(result.read_text())["rows"]}
+    assert list(rows) == ["none", "ngram K=2", "ngram per-request", "suffix K=2", "suffix per-request"]
+    for r in rows.values():
+        assert r["same_text_as_none"] == 2
+    assert (
+        rows["ngram K=2"]["rounds"][0]["acceptance_per_pos"]
+        != rows["suffix K=2"]["rounds"][0]["acceptance_per_pos"]
+    )
+
+
+def test_config_names_of_several_drafters_and_which_are_fixed():
+    from types import SimpleNamespace
+
+    from dynaspec.bench.rollout import drafter_names, is_fixed
+
+    one = [SimpleNamespace(method="suffix")]
+    assert drafter_names(one) == [""]
+    three = [SimpleNamespace(method=m) for m in ("suffix", "draft_model", "draft_model")]
+    assert drafter_names(three) == ["suffix", "draft_model#1", "draft_model#2"]
+    assert [is_fixed(c) for c in ("none", "K=2", "ngram K=5 w=64", "per-request", "suffix table")] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
+
+
 def test_grpo_rollout_samples_each_prompt_and_keeps_the_suffix_cache_between_epochs(tmp_path, target_dir):
     """2 prompts x 3 samples, 2 epochs, suffix drafts: each epoch runs the 6 requests, every config
     emits none's text in each epoch (new seeds in the second), and the second epoch drafts from the
