@@ -327,12 +327,12 @@ def run(args: argparse.Namespace) -> int:
     # engine without a drafter, each drafter's configs on its own engine, whose window is set before
     # each run; with several drafters a config's name starts with its drafter's
     plan: dict[str, tuple[str, object, int | None]] = {"none": ("none", None, None)}
-    for i, (spec, path) in enumerate(zip(specs, paths)):
-        prefix = drafter_names(specs)[i]
+    for i, (spec, path, prefix) in enumerate(zip(specs, paths, drafter_names(specs))):
+        engine_name = prefix or "spec"
         spec_dict = {**spec.to_dict(), "num_speculative_tokens": max_k}
         spec_dict.pop("num_speculative_tokens_per_batch_size", None)
         spec_dict.pop("dynamic_config_path", None)
-        engines[prefix or "spec"] = engine = Engine(
+        engines[engine_name] = engine = Engine(
             EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict})
         )
         if path == AUTO:  # the profile an engine with this config makes (or reads back) on first use
@@ -345,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         for j, w in enumerate(windows):
             for name, factory in policies.items():
                 label = (prefix + " " if prefix else "") + name + (f" w={w or 'all'}" if j else "")
-                plan[label] = (prefix or "spec", factory, w)
+                plan[label] = (engine_name, factory, w)
     profile = profiles[0]
     configs = list(plan)
     all_prompts = load_prompts(args.dataset, chat=True)
