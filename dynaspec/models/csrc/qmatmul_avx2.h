@@ -154,7 +154,7 @@ inline void prefetch_scales(const ScaleTable& t, int64_t tile, int64_t g) {
     _mm_prefetch(reinterpret_cast<const char*>(t.f16 + at), _MM_HINT_T0);
   } else {
     _mm_prefetch(reinterpret_cast<const char*>(t.sub + at), _MM_HINT_T0);
-    const int64_t sup = (tile * t.supers + g / t.super_groups) * kFields * kLanes;
+    const int64_t sup = (tile * t.supers + super_of(t, g)) * kFields * kLanes;
     _mm_prefetch(reinterpret_cast<const char*>(t.f32 + sup), _MM_HINT_T0);
     if constexpr (kFields == 2) _mm_prefetch(reinterpret_cast<const char*>(t.f32 + sup + kLanes), _MM_HINT_T0);
   }
@@ -209,6 +209,20 @@ inline void prefetch_ahead(const uint8_t* wg, const ScaleTable& st, int64_t tile
   prefetch_scales<MODE>(st, tile, g + kPrefetchGroups);
 }
 
+// Prefetching for a sweep of one (tile, half) over its groups, at group g (wg: its codes): the first
+// half streams this tile from memory, kPrefetchGroups ahead; the second reads it again from cache,
+// while the next tile comes from memory.
+template <int BITS, int G, int MODE>
+inline void prefetch_sweep(const uint8_t* wg, const ScaleTable& st, int64_t tile, int h, int64_t g, int64_t groups) {
+  constexpr int kTileBytes = tile_bytes<BITS, G>();
+  if (h == 0) {
+    prefetch_ahead<BITS, G, MODE>(wg, st, tile, g, groups);
+  } else {
+    prefetch_group<kTileBytes>(wg + groups * kTileBytes);
+    prefetch_scales<MODE>(st, tile + 1, g);
+  }
+}
+
 // Half h of one tile and group (wg: its codes): the codes decoded, its scales and offsets.
 template <int BITS, int G, int MODE>
 inline void load_half(const uint8_t* wg, const ScaleTable& st, int64_t tile, int64_t g, int64_t sup, int h,
@@ -227,12 +241,7 @@ inline void half_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int 
   const uint8_t* wt = w + tile * groups * kTileBytes;
   for (int64_t g = 0, sup = 0, in_sup = 0; g < groups; ++g) {
     const uint8_t* wg = wt + g * kTileBytes;
-    if (h == 0) {  // the first half streams this tile from memory, kPrefetchGroups ahead
-      prefetch_ahead<BITS, G, MODE>(wg, st, tile, g, groups);
-    } else {  // the second reads it again from cache, while the next tile comes from memory
-      prefetch_group<kTileBytes>(wg + groups * kTileBytes);
-      prefetch_scales<MODE>(st, tile + 1, g);
-    }
+    prefetch_sweep<BITS, G, MODE>(wg, st, tile, h, g, groups);
     __m256i wv[G / 4];
     __m256 vs, vo;
     load_half<BITS, G, MODE>(wg, st, tile, g, sup, h, wv, vs, vo);
@@ -246,18 +255,114 @@ inline void half_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int 
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(acc + i * acc_stride, a[i]);
 }
 
-constexpr int kRowRegs = 3;  // up to this many rows keep their sums in registers (half_rows)
+// Step s of half h of one tile and group (base: the group's codes + 32 h): [8 columns][4 codes], as
+// decode_half's v[s].
+template <int BITS, int G>
+inline __m256i decode_step(const uint8_t* base, int s) {
+  static_assert(BITS == 4 || BITS == 5 || BITS == 6, "nibbles, with a plane of top bits for 5 and 6");
+  constexpr int kSteps = G / 4;
+  {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const int i = s % (kSteps / 2);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * i));
+    __m256i v = s < kSteps / 2 ? _mm256_and_si256(raw, low) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    if constexpr (BITS > 4) {
+      constexpr int kWidthBits = BITS - 4;
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 32 * kSteps));
+      const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << kWidthBits) - 1) << 4));
+      const int pos = kWidthBits * s;
+      const __m256i moved = pos <= 4 ? _mm256_slli_epi16(plane, 4 - pos) : _mm256_srli_epi16(plane, pos - 4);
+      v = _mm256_or_si256(v, _mm256_and_si256(moved, mask));
+    }
+    return v;
+  }
+}
+
+// Rows [r0, r0 + R) of one (tile, half), steps outer and rows inner: each step's codes are decoded
+// once into one register and serve every row, whose int16 partial sums and float outputs stay in
+// registers (2R + 5 of AVX2's 16), so no decoded group has to wait in registers for every row.
+template <int BITS, int G, int MODE, int R>
+inline void half_rows_steps(const uint8_t* w, const ScaleTable& st, int64_t tile, int h, int64_t groups,
+                            const int8_t* xq, const float* xs, const float* xc, int64_t r0, float* acc,
+                            int64_t acc_stride) {
+  static_assert(BITS != 8, "8-bit codes take two products a step: half_rows");
+  constexpr int kTileBytes = tile_bytes<BITS, G>();
+  constexpr int kSteps = G / 4;
+  constexpr int kChunk = int16_steps(BITS) < kSteps ? int16_steps(BITS) : kSteps;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 a[R];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) a[i] = _mm256_setzero_ps();
+  const uint8_t* wt = w + tile * groups * kTileBytes;
+  for (int64_t g = 0, sup = 0, in_sup = 0; g < groups; ++g) {
+    const uint8_t* wg = wt + g * kTileBytes;
+    prefetch_sweep<BITS, G, MODE>(wg, st, tile, h, g, groups);
+    const int8_t* xr[R];
+  #pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) xr[i] = xq + xb_at<G>(r0 + i, g, groups);
+    __m256i d[R];
+  #pragma GCC unroll 16
+    for (int c0 = 0; c0 < kSteps; c0 += kChunk) {
+      __m256i p[R];
+#pragma GCC unroll 16
+      for (int s = c0; s < c0 + kChunk; ++s) {
+        const __m256i v = decode_step<BITS, G>(wg + 32 * h, s);
+  #pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+          const __m256i prod = _mm256_maddubs_epi16(v, xstep(xr[i], s));
+          p[i] = s == c0 ? prod : _mm256_add_epi16(p[i], prod);
+        }
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m256i wide = _mm256_madd_epi16(p[i], ones);
+        d[i] = c0 == 0 ? wide : _mm256_add_epi32(d[i], wide);
+      }
+    }
+    __m256 vs, vo;
+    load_scales<MODE>(st, tile, g, sup, h, vs, vo);
+  #pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const int64_t r = r0 + i;
+      a[i] = epilogue(a[i], d[i], vs, vo, xs[r * groups + g], xc[r * groups + g]);
+    }
+    if (++in_sup == st.super_groups) in_sup = 0, ++sup;
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(acc + i * acc_stride, a[i]);
+}
+
+// Up to this many rows of 4-6 bit codes go through half_rows_steps. On zen3 (2
+// threads, the 1.5B's gate/up, down and head shapes, best of 3-5 processes alternating with the loops
+// before) 2-4 rows took 1.1-1.5x less time; at 5 rows it was even, and from 6 rows tile_step's
+// general loop (each group decoded once for every row) is as fast or faster.
+constexpr int kRowSteps = 4;
+constexpr int kRowRegs = 3;  // up to this many rows of 8-bit codes keep their sums in registers (half_rows)
 
 // Columns of tiles [tile, tile + kTilesPerStep) for rows [r_begin, r_end): acc [r_end - r_begin, 32].
-// Up to kRowRegs rows: each (tile, half) sweeps every group with the rows' sums in registers. More:
-// each (tile, half) of a group is decoded into registers once and serves every row, whose sums
-// wait in acc (decoding a group again per few rows cost more than the sums' trips to L1).
+// Up to kRowSteps rows of 4-6 bit codes (kRowRegs of 8-bit ones): each (tile, half) sweeps every
+// group with the rows' sums in registers. More: each (tile, half) of a group is decoded into
+// registers once and serves every row, whose sums wait in acc (decoding a group again per few rows
+// cost more than the sums' trips to L1).
 template <int BITS, int G, int MODE>
 void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups,
                const int8_t* xq, const float* xs, const float* xc, int64_t r_begin, int64_t r_end, float* acc) {
   constexpr int kTileBytes = tile_bytes<BITS, G>();
   constexpr int kWidth = kTilesPerStep * kLanes;
   const int64_t rows = r_end - r_begin;
+  if constexpr (BITS != 8) {
+    if (rows <= kRowSteps) {
+      for (int n = 0; n < kTilesPerStep; ++n)
+        for (int h = 0; h < 2; ++h) {
+          float* a = acc + (2 * n + h) * kHalf;
+          if (rows == 4) half_rows_steps<BITS, G, MODE, 4>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
+          else if (rows == 3) half_rows_steps<BITS, G, MODE, 3>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
+          else if (rows == 2) half_rows_steps<BITS, G, MODE, 2>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
+          else half_rows_steps<BITS, G, MODE, 1>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
+        }
+      return;
+    }
+  }
   if (rows <= kRowRegs) {
     for (int n = 0; n < kTilesPerStep; ++n)
       for (int h = 0; h < 2; ++h) {
@@ -269,14 +374,14 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
     return;
   }
   std::memset(acc, 0, sizeof(float) * rows * kWidth);
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = 0, sup = 0, in_sup = 0; g < groups; ++g) {
     for (int n = 0; n < kTilesPerStep; ++n) {
       const uint8_t* wg = w + ((tile + n) * groups + g) * kTileBytes;
       prefetch_ahead<BITS, G, MODE>(wg, st, tile + n, g, groups);
       for (int h = 0; h < 2; ++h) {
         __m256i wv[G / 4];
         __m256 vs, vo;
-        load_half<BITS, G, MODE>(wg, st, tile + n, g, g / st.super_groups, h, wv, vs, vo);
+        load_half<BITS, G, MODE>(wg, st, tile + n, g, sup, h, wv, vs, vo);
         float* a = acc + (2 * n + h) * kHalf;
         for (int64_t r = r_begin; r < r_end; ++r, a += kWidth) {
           const __m256i dot = dot_half<BITS, G>(wv, xq + xb_at<G>(r, g, groups));
@@ -284,6 +389,7 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
         }
       }
     }
+    if (++in_sup == st.super_groups) in_sup = 0, ++sup;  // no division a group (an idiv cost 2x at 4 rows)
   }
 }
 
