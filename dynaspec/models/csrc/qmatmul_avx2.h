@@ -374,7 +374,8 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
     return;
   }
   std::memset(acc, 0, sizeof(float) * rows * kWidth);
-  for (int64_t g = 0, sup = 0, in_sup = 0; g < groups; ++g) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t sup = super_of(st, g);
     for (int n = 0; n < kTilesPerStep; ++n) {
       const uint8_t* wg = w + ((tile + n) * groups + g) * kTileBytes;
       prefetch_ahead<BITS, G, MODE>(wg, st, tile + n, g, groups);
@@ -389,7 +390,6 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
         }
       }
     }
-    if (++in_sup == st.super_groups) in_sup = 0, ++sup;  // no division a group (an idiv cost 2x at 4 rows)
   }
 }
 
