@@ -21,11 +21,12 @@ class AcceptanceEstimate:
     than ~1/(1-decay) steps fades. The estimate blends in the prior as ``prior_weight``
     pseudo-drafts: α_i = (a_i + w·p_i) / (d_i + w), where p_i carries the traffic's estimate forward
     with the profile's chance of accepting i given i-1, scaled by how the traffic's chance compared
-    with the profile's at the position before: p_0 = prior_0, and
-    p_i = α_{i-1} · min(1, s_{i-1} · prior_i / prior_{i-1}), s_i = (α_i / α_{i-1}) / (prior_i / prior_{i-1})
-    (s_0 = α_0 / prior_0). A profile taken on chat (about 0.7 a position), serving code that accepts
-    0.9 at position 0, then expects more than chat's 0.7 a position at the positions K has not
-    reached yet; K is not held too low to ever measure them. With no traffic, α = the profile.
+    with the profile's at the position before: p_0 = prior_0, and with g_i = min(1, prior_i /
+    prior_{i-1}) (the profile's chance of i given i-1), p_i = α_{i-1} · min(1, s_{i-1} · g_i),
+    s_i = (α_i / α_{i-1}) / g_i (s_0 = α_0 / prior_0). A profile taken on chat (about 0.7 a
+    position), serving code that accepts 0.9 at position 0, then expects more than chat's 0.7 a
+    position at the positions K has not reached yet; K is not held too low to ever measure them.
+    With no traffic, α = the profile, each rate held to at most the one before.
     The result is made non-increasing in i (accepting i needs 1..i-1 accepted).
     """
 
@@ -59,7 +60,10 @@ class AcceptanceEstimate:
         scale = 1.0  # the traffic's chance of accepting i given i-1, over the profile's
         for i, (d, a) in enumerate(zip(self.drafted, self.accepted)):
             before, prior_before = (out[i - 1], prior[i - 1]) if i else (1.0, 1.0)  # position -1: certain
-            given = prior[i] / prior_before if prior_before > 0 else 0.0
+            # the profile's chance of i given i-1, at most 1: a model-free drafter's per-proposed
+            # rates may rise with the position, and a ratio above 1 carried on as a scale below 1
+            # held every later position below the profile's own with no traffic at all
+            given = min(1.0, prior[i] / prior_before) if prior_before > 0 else 0.0
             p = before * min(1.0, scale * given)
             out.append(min(1.0, max(0.0, (a + w * p) / (d + w) if d + w > 0 else p)))
             if given > 0 and before > 0:

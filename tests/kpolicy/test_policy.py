@@ -13,8 +13,10 @@ from dynaspec.kpolicy.hysteresis import Hysteresis
 from dynaspec.kpolicy.policy import FixedK, TableK, make_policy
 from dynaspec.kpolicy.profile import (
     Profile,
+    acceptance_length,
     best_k,
     derive_table,
+    extra_request_ms,
     interpolate_itl,
     load_profile,
     save_profile,
@@ -45,6 +47,39 @@ def test_itl_interpolates_between_extends_above_and_clamps_below():
     assert interpolate_itl({16: {0: 80.0}}, 32, 0) == 80.0  # one size: held
     assert interpolate_itl({2: {0: 50.0}}, 1, 0) == 50.0  # clamped below
     assert interpolate_itl(STATS, 4, 9) is None  # K never profiled
+
+
+def test_past_the_grid_a_drafting_column_rises_at_least_k_plus_1_times_as_fast():
+    """A low cell at the grid's edge (zen3's suffix auto profile ended at 12 requests with K=5 ahead
+    there) no longer decides every larger batch: per extra request K=5 verifies 6 tokens, so its
+    column rises at least 6 times as fast as the plain one past the grid."""
+    edge = {  # a compute-bound CPU: 20 ms a verified row; K=5's last cell came out low
+        8: {0: 200.0, 5: 1000.0},
+        12: {0: 280.0, 5: 1050.0},
+    }
+    assert extra_request_ms(edge, 0) == pytest.approx(20.0)
+    assert extra_request_ms(edge, 5) == pytest.approx(6 * 20.0)  # its own slope (12.5) was lower
+    assert interpolate_itl(edge, 32, 5) == pytest.approx(1050 + 120 * 20)
+    assert interpolate_itl(edge, 32, 0) == pytest.approx(280 + 20 * 20)
+    alpha = [0.9, 0.8, 0.7, 0.6, 0.5]  # AL(5) = 4.5 tokens a step
+    assert best_k(alpha, edge, 12, 5) == 5  # inside the grid, as measured
+    table = derive_table(alpha, edge, 5, up_to=64)
+    assert table[-1] == [table[-1][0], 64, 0]  # past the grid the plain step wins again
+    # a column that rises faster on its own keeps its slope
+    steep = {8: {0: 200.0, 1: 300.0}, 12: {0: 280.0, 1: 500.0}}
+    assert extra_request_ms(steep, 1) == pytest.approx(50.0)
+
+
+def test_acceptance_length_holds_each_rate_to_the_one_before():
+    """A model-free drafter's rates are per token proposed and may rise with the position (it
+    proposes long drafts only on long matches); unconditional rates cannot, as the live estimate
+    holds them, so the derived table prices what the policy will."""
+    suffix = [0.41, 0.8, 0.94, 0.96, 0.96]  # zen3's suffix auto profile
+    assert acceptance_length(suffix, 5) == pytest.approx(1 + 5 * 0.41)
+    assert acceptance_length(ALPHA, 4) == pytest.approx(1 + sum(ALPHA))  # already non-increasing
+    assert acceptance_length(suffix, 0) == 1.0
+    estimate = AcceptanceEstimate(suffix, 5)
+    assert acceptance_length(estimate.rates(), 5) == pytest.approx(acceptance_length(suffix, 5))
 
 
 def test_big_k_when_verification_is_cheap_and_k0_when_expensive():
