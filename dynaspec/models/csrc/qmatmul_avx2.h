@@ -339,6 +339,16 @@ inline void half_rows_steps(const uint8_t* w, const ScaleTable& st, int64_t tile
 constexpr int kRowSteps = 4;
 constexpr int kRowRegs = 3;  // up to this many rows of 8-bit codes keep their sums in registers (half_rows)
 
+// Rows [r0, r0 + R) of one (tile, half) with their sums in registers: 8-bit codes (two products a
+// step) through half_rows, narrower ones through half_rows_steps.
+template <int BITS, int G, int MODE, int R>
+inline void half_in_registers(const uint8_t* w, const ScaleTable& st, int64_t tile, int h, int64_t groups,
+                              const int8_t* xq, const float* xs, const float* xc, int64_t r0, float* acc,
+                              int64_t acc_stride) {
+  if constexpr (BITS == 8) half_rows<BITS, G, MODE, R>(w, st, tile, h, groups, xq, xs, xc, r0, acc, acc_stride);
+  else half_rows_steps<BITS, G, MODE, R>(w, st, tile, h, groups, xq, xs, xc, r0, acc, acc_stride);
+}
+
 // Columns of tiles [tile, tile + kTilesPerStep) for rows [r_begin, r_end): acc [r_end - r_begin, 32].
 // Up to kRowSteps rows of 4-6 bit codes (kRowRegs of 8-bit ones): each (tile, half) sweeps every
 // group with the rows' sums in registers. More: each (tile, half) of a group is decoded into
@@ -350,26 +360,14 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
   constexpr int kTileBytes = tile_bytes<BITS, G>();
   constexpr int kWidth = kTilesPerStep * kLanes;
   const int64_t rows = r_end - r_begin;
-  if constexpr (BITS != 8) {
-    if (rows <= kRowSteps) {
-      for (int n = 0; n < kTilesPerStep; ++n)
-        for (int h = 0; h < 2; ++h) {
-          float* a = acc + (2 * n + h) * kHalf;
-          if (rows == 4) half_rows_steps<BITS, G, MODE, 4>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
-          else if (rows == 3) half_rows_steps<BITS, G, MODE, 3>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
-          else if (rows == 2) half_rows_steps<BITS, G, MODE, 2>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
-          else half_rows_steps<BITS, G, MODE, 1>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
-        }
-      return;
-    }
-  }
-  if (rows <= kRowRegs) {
+  if (rows <= (BITS == 8 ? kRowRegs : kRowSteps)) {
     for (int n = 0; n < kTilesPerStep; ++n)
       for (int h = 0; h < 2; ++h) {
         float* a = acc + (2 * n + h) * kHalf;
-        if (rows == 3) half_rows<BITS, G, MODE, 3>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
-        else if (rows == 2) half_rows<BITS, G, MODE, 2>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
-        else half_rows<BITS, G, MODE, 1>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
+        if (rows == 4) half_in_registers<BITS, G, MODE, 4>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
+        else if (rows == 3) half_in_registers<BITS, G, MODE, 3>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
+        else if (rows == 2) half_in_registers<BITS, G, MODE, 2>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
+        else half_in_registers<BITS, G, MODE, 1>(w, st, tile + n, h, groups, xq, xs, xc, r_begin, a, kWidth);
       }
     return;
   }
