@@ -13,6 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def held_non_increasing(rates: Sequence[float]) -> list[float]:
+    """Unconditional α_i, each held to at most the one before (accepting i needs 1..i-1 accepted)."""
+    out = list(rates)
+    for i in range(1, len(out)):
+        out[i] = min(out[i], out[i - 1])
+    return out
+
+
 class AcceptanceEstimate:
     """α_i from the profile (a prior), moving to live traffic.
 
@@ -68,9 +76,7 @@ class AcceptanceEstimate:
             out.append(min(1.0, max(0.0, (a + w * p) / (d + w) if d + w > 0 else p)))
             if given > 0 and before > 0:
                 scale = out[i] / before / given
-        for i in range(1, len(out)):
-            out[i] = min(out[i], out[i - 1])
-        return out
+        return held_non_increasing(out)
 
 
 def request_rates(
@@ -91,10 +97,7 @@ def request_rates(
         return [0.0] * len(batch_alpha)
     own = (accepted + weight * beta) / (trials + weight) if trials + weight > 0 else beta
     ratio = own / beta
-    out = [min(1.0, max(0.0, a * ratio ** (i + 1))) for i, a in enumerate(batch_alpha)]
-    for i in range(1, len(out)):
-        out[i] = min(out[i], out[i - 1])
-    return out
+    return held_non_increasing([min(1.0, max(0.0, a * ratio ** (i + 1))) for i, a in enumerate(batch_alpha)])
 
 
 def per_token_acceptance(alpha: Sequence[float]) -> float:

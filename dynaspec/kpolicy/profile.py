@@ -36,6 +36,7 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
+from dynaspec.kpolicy.acceptance import held_non_increasing
 from dynaspec.kpolicy.context import ContextCost, fit_context_cost
 from dynaspec.kpolicy.cost import FIT_TOLERANCE, FIT_TOLERANCE_MS, GridBounds, grid_misfit
 
@@ -333,11 +334,7 @@ def acceptance_length(alpha: list[float], k: int) -> float:
     suffix drafter's auto profile on zen3 read 0.41, 0.80, 0.94, 0.96, 0.96, which summed as they
     are promise 5.1 tokens a step at K=5 where the goodput policy's live estimate (held the same
     way) expects 3.1, so the derived table drafted K=5 where the policy would not."""
-    total, bound = 1.0, 1.0
-    for a in alpha[:k]:
-        bound = min(bound, a)
-        total += bound
-    return total
+    return 1.0 + sum(held_non_increasing(alpha[:k]))
 
 
 def argmax_goodput(alpha: list[float], itl: Callable[[int], float | None], max_k: int) -> int:
