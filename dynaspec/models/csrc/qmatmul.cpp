@@ -469,8 +469,7 @@ at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   ScaleTable st{nullptr, nullptr, nullptr, groups, std::max<int64_t>(super_groups, 1), 0,
                 -static_cast<float>(int64_t{1} << (bits - 1)), -1};
   st.supers = (groups + st.super_groups - 1) / st.super_groups;
-  for (int64_t shift = 0; shift < 32; ++shift)
-    if (int64_t{1} << shift == st.super_groups) st.super_shift = shift;
+  if ((st.super_groups & (st.super_groups - 1)) == 0) st.super_shift = __builtin_ctzll(st.super_groups);
   TORCH_CHECK(mode >= kScaleF32 && mode <= kScaleSuperSym, "qmm_vnni: unknown scale mode ", mode);
   const int64_t fields = scale_fields(mode);
   if (mode == kScaleF32) {

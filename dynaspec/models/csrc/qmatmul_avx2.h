@@ -111,32 +111,38 @@ inline __m256 epilogue(__m256 acc, __m256i dot, __m256 scale, __m256 offset, flo
   return _mm256_fmadd_ps(offset, _mm256_set1_ps(xc), acc);
 }
 
+// Step s of half h of one tile and group (base: the group's codes + 32 h): [8 columns][4 codes].
+// 4 bits: step s's nibbles (low for the first half of the steps, high for the second); 5 and 6
+// bits: with its top bits from the group's last 64-byte plane.
+template <int BITS, int G>
+inline __m256i decode_step(const uint8_t* base, int s) {
+  constexpr int kSteps = G / 4;
+  static_assert(BITS == 4 || (BITS == 5 && kSteps <= 8) || (BITS == 6 && kSteps <= 4), "unsupported packing");
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * (s % (kSteps / 2))));
+  const __m256i v = s < kSteps / 2 ? _mm256_and_si256(raw, low) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+  if constexpr (BITS == 4) {
+    return v;
+  } else {
+    constexpr int kWidthBits = BITS - 4;
+    const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 32 * kSteps));
+    const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << kWidthBits) - 1) << 4));
+    const int pos = kWidthBits * s;
+    const __m256i moved = pos <= 4 ? _mm256_slli_epi16(plane, 4 - pos) : _mm256_srli_epi16(plane, pos - 4);
+    return _mm256_or_si256(v, _mm256_and_si256(moved, mask));
+  }
+}
+
 // The codes of half h of one tile and group: v[step] = [8 columns][4 codes] (bytes 32h.. of each
 // step's 64).
 template <int BITS, int G>
 inline void decode_half(const uint8_t* wp, int h, __m256i (&v)[G / 4]) {
   constexpr int kSteps = G / 4;
-  static_assert(BITS == 4 || BITS == 8 || (BITS == 5 && kSteps <= 8) || (BITS == 6 && kSteps <= 4), "unsupported packing");
   const uint8_t* base = wp + 32 * h;
-  if constexpr (BITS == 8) {
-    for (int s = 0; s < kSteps; ++s) v[s] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * s));
-  } else {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int i = 0; i < kSteps / 2; ++i) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * i));
-      v[i] = _mm256_and_si256(raw, low);
-      v[i + kSteps / 2] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-    }
-    if constexpr (BITS > 4) {
-      constexpr int kWidthBits = BITS - 4;
-      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 32 * kSteps));
-      const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << kWidthBits) - 1) << 4));
-      for (int s = 0; s < kSteps; ++s) {
-        const int pos = kWidthBits * s;
-        const __m256i moved = pos <= 4 ? _mm256_slli_epi16(plane, 4 - pos) : _mm256_srli_epi16(plane, pos - 4);
-        v[s] = _mm256_or_si256(v[s], _mm256_and_si256(moved, mask));
-      }
-    }
+#pragma GCC unroll 16
+  for (int s = 0; s < kSteps; ++s) {
+    if constexpr (BITS == 8) v[s] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * s));
+    else v[s] = decode_step<BITS, G>(base, s);
   }
 }
 
@@ -255,29 +261,6 @@ inline void half_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int 
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(acc + i * acc_stride, a[i]);
 }
 
-// Step s of half h of one tile and group (base: the group's codes + 32 h): [8 columns][4 codes], as
-// decode_half's v[s].
-template <int BITS, int G>
-inline __m256i decode_step(const uint8_t* base, int s) {
-  static_assert(BITS == 4 || BITS == 5 || BITS == 6, "nibbles, with a plane of top bits for 5 and 6");
-  constexpr int kSteps = G / 4;
-  {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const int i = s % (kSteps / 2);
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * i));
-    __m256i v = s < kSteps / 2 ? _mm256_and_si256(raw, low) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-    if constexpr (BITS > 4) {
-      constexpr int kWidthBits = BITS - 4;
-      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 32 * kSteps));
-      const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << kWidthBits) - 1) << 4));
-      const int pos = kWidthBits * s;
-      const __m256i moved = pos <= 4 ? _mm256_slli_epi16(plane, 4 - pos) : _mm256_srli_epi16(plane, pos - 4);
-      v = _mm256_or_si256(v, _mm256_and_si256(moved, mask));
-    }
-    return v;
-  }
-}
-
 // Rows [r0, r0 + R) of one (tile, half), steps outer and rows inner: each step's codes are decoded
 // once into one register and serve every row, whose int16 partial sums and float outputs stay in
 // registers (2R + 5 of AVX2's 16), so no decoded group has to wait in registers for every row.
@@ -298,16 +281,16 @@ inline void half_rows_steps(const uint8_t* w, const ScaleTable& st, int64_t tile
     const uint8_t* wg = wt + g * kTileBytes;
     prefetch_sweep<BITS, G, MODE>(wg, st, tile, h, g, groups);
     const int8_t* xr[R];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) xr[i] = xq + xb_at<G>(r0 + i, g, groups);
     __m256i d[R];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int c0 = 0; c0 < kSteps; c0 += kChunk) {
       __m256i p[R];
 #pragma GCC unroll 16
       for (int s = c0; s < c0 + kChunk; ++s) {
         const __m256i v = decode_step<BITS, G>(wg + 32 * h, s);
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int i = 0; i < R; ++i) {
           const __m256i prod = _mm256_maddubs_epi16(v, xstep(xr[i], s));
           p[i] = s == c0 ? prod : _mm256_add_epi16(p[i], prod);
@@ -321,7 +304,7 @@ inline void half_rows_steps(const uint8_t* w, const ScaleTable& st, int64_t tile
     }
     __m256 vs, vo;
     load_scales<MODE>(st, tile, g, sup, h, vs, vo);
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const int64_t r = r0 + i;
       a[i] = epilogue(a[i], d[i], vs, vo, xs[r * groups + g], xc[r * groups + g]);
@@ -332,10 +315,10 @@ inline void half_rows_steps(const uint8_t* w, const ScaleTable& st, int64_t tile
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(acc + i * acc_stride, a[i]);
 }
 
-// Up to this many rows of 4-6 bit codes go through half_rows_steps. On zen3 (2
-// threads, the 1.5B's gate/up, down and head shapes, best of 3-5 processes alternating with the loops
-// before) 2-4 rows took 1.1-1.5x less time; at 5 rows it was even, and from 6 rows tile_step's
-// general loop (each group decoded once for every row) is as fast or faster.
+// Up to this many rows of 4-6 bit codes go through half_rows_steps. On zen3 (2 threads, the 1.5B's
+// gate/up, down and head shapes, best of 3-5 processes alternating with the loops before) 2-4 rows
+// took 1.1-1.5x less time; at 5 rows it was even, and from 6 rows tile_step's general loop (each
+// group decoded once for every row) is as fast or faster.
 constexpr int kRowSteps = 4;
 constexpr int kRowRegs = 3;  // up to this many rows of 8-bit codes keep their sums in registers (half_rows)
 
