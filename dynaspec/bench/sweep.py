@@ -35,7 +35,12 @@ TABLE_HEADER = (
 def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="concurrency sweep: none, fixed K, profiled table, goodput policy")
     add_engine_args(p, model_required=False)  # not needed with --from-json
-    p.add_argument("--profile", help="profile JSON from `dynaspec profile` (required unless --from-json)")
+    p.add_argument(
+        "--profile",
+        help='profile JSON from `dynaspec profile`, or "auto": the engine\'s own auto profile for the '
+        "speculative config, made on first use and cached (also taken from a config saying "
+        '"dynamic_config_path": "auto"); required unless --from-json',
+    )
     p.add_argument(
         "--from-json",
         default=None,
@@ -147,28 +152,33 @@ def closed_loop(engine, prompts: list, concurrency: int, params) -> tuple[float,
 def run(args: argparse.Namespace) -> int:
     from dynaspec.datasets import load_prompts
     from dynaspec.engine.args import check_at_least, engine_kwargs
-    from dynaspec.engine.engine import Engine, EngineConfig
+    from dynaspec.engine.engine import AUTO, AUTO_MAX_K, Engine, EngineConfig
+    from dynaspec.engine.profiler import auto_profile, auto_profile_key, auto_profile_path
     from dynaspec.kpolicy.config import SpeculativeConfig
     from dynaspec.kpolicy.profile import load_profile
     from dynaspec.sampling_params import SamplingParams
 
     if args.from_json:
         return report_saved(args.from_json, args.plot)
-    for flag, value in (("--model", args.model), ("--profile", args.profile)):
-        if not value:
-            raise ValueError(f"{flag}: required to run a sweep (only --from-json runs without it)")
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None:
         raise ValueError("--speculative-config: the sweep needs the drafter's config")
+    if args.profile and spec.dynamic_config_path == AUTO:
+        raise ValueError('--profile: the speculative config already says "dynamic_config_path": "auto"')
+    path = args.profile or spec.dynamic_config_path
+    for flag, value in (("--model", args.model), ("--profile", path)):
+        if not value:
+            raise ValueError(f"{flag}: required to run a sweep (only --from-json runs without it)")
     check_at_least(
         ("--rounds", args.rounds, 1),
         ("--prompts-per-concurrency", args.prompts_per_concurrency, 1),
         ("--min-prompts", args.min_prompts, 1),
     )
-    profile = load_profile(args.profile)
+    profile = None if path == AUTO else load_profile(path)
     concurrencies = _ints(args.concurrency, "--concurrency")
     fixed_ks = _ints(args.fixed_ks, "--fixed-ks")
-    max_k = max([*fixed_ks, profile.max_num_speculative_tokens])
+    profiled_k = profile.max_num_speculative_tokens if profile else spec.num_speculative_tokens or AUTO_MAX_K
+    max_k = max([*fixed_ks, profiled_k])
     prompts = load_prompts(args.dataset, chat=True)
     kwargs = engine_kwargs(args)
     kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], max(concurrencies))
@@ -176,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
     spec_dict = {**spec.to_dict(), "num_speculative_tokens": max_k}
     spec_dict.pop("num_speculative_tokens_per_batch_size", None)
     spec_dict.pop("dynamic_config_path", None)
+    spec_engine = None
+    if profile is None:  # "auto": the profile an engine with this config makes (or reads back) on first use
+        spec_engine = Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict}))
+        profile = auto_profile(spec_engine, spec)
     table = profile.num_speculative_tokens_per_batch_size
     policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
     configs = ["none", *policies]
@@ -192,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     if "none" in configs:
         engines["none"] = Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None}))
     if any(c != "none" for c in configs):
-        engines["spec"] = Engine(
+        engines["spec"] = spec_engine or Engine(
             EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict})
         )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
@@ -227,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
     report = summarize(results, configs, concurrencies, args.temperature == 0)
     report["command_args"] = command_args(args)
     report["profile_table"] = table
+    # the profile's file (for "auto", where the engine cached it)
+    report["profile"] = str(auto_profile_path(auto_profile_key(spec_engine, spec)) if spec_engine else path)
     print(format_report(report))
     if args.result_file:
         _save(args.result_file, report)

@@ -142,3 +142,48 @@ def test_sweep_runs_a_chosen_subset_and_refuses_unknown_configs(tmp_path, target
     for bad, named in (("none,K=7", "K=7"), ("goodput", "at least two")):
         assert main(common + ["--configs", bad, "--result-file", str(result)]) == 2
         assert "--configs: " + named in capsys.readouterr().err
+
+
+def test_sweep_with_auto_takes_the_engines_own_profile(tmp_path, target_dir, monkeypatch, capsys):
+    """`--profile auto` (or a config saying "dynamic_config_path": "auto") prices the policies with the
+    profile an engine with that config makes on first use (here a stand-in for the minutes-long real
+    one) and records where it is cached; a file beside a config saying "auto" is refused."""
+    import dynaspec.engine.profiler as profiler
+    from dynaspec.kpolicy.profile import load_profile
+
+    stats = {1: {0: 1.0, 1: 1.1}, 2: {0: 1.1, 1: 1.5}}
+    profile = tmp_path / "profile.json"
+    save_profile(Profile(1, [0.9], stats, [[1, 1, 1], [2, 2, 0]]), profile)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\nclass A:\n")
+    asked = []
+
+    def stand_in(engine, spec):
+        asked.append((spec.method, spec.num_speculative_tokens))
+        return load_profile(profile)
+
+    monkeypatch.setattr(profiler, "auto_profile", stand_in)
+    spec = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1}
+    common = [
+        "bench", "sweep", "--model", str(target_dir), "--dtype", "float32", "--kv-cache-memory-gb", "0.02",
+        "--dataset", str(prompts), "--concurrency", "1", "--min-prompts", "2",
+        "--prompts-per-concurrency", "1", "--fixed-ks", "1", "--configs", "none,table",
+        "--max-tokens", "4", "--rounds", "1",
+    ]  # fmt: skip
+    for i, how in enumerate(
+        (["--profile", "auto"], ["--speculative-config", json.dumps({**spec, "dynamic_config_path": "auto"})])
+    ):
+        result = tmp_path / f"sweep{i}.json"
+        args = ["--speculative-config", json.dumps(spec), *how, "--result-file", str(result)]
+        assert main(common + args) == 0
+        report = json.loads(result.read_text())
+        assert report["profile_table"] == [[1, 1, 1], [2, 2, 0]]
+        assert report["profile"].endswith(".json") and "profiles" in report["profile"]
+        assert {r["config"] for r in report["rows"]} == {"none", "table"}
+    assert asked == [("ngram", 1), ("ngram", 1)]
+    auto = json.dumps({**spec, "dynamic_config_path": "auto"})
+    assert main(common + ["--speculative-config", auto, "--profile", str(profile)]) == 2
+    assert (
+        '--profile: the speculative config already says "dynamic_config_path": "auto"'
+        in capsys.readouterr().err
+    )

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Figure: issue 37's check of the auto profile: a closed-loop concurrency sweep priced by the profile
+# the engine makes for `"dynamic_config_path": "auto"` (made on first use and cached, or read back),
+# output tok/s of none, fixed K = 1..5 and the default policy (per-request goodput) at C = 1, 2, 4, 8
+# (results/README.md, "Goodput and auto profiles": the auto-profile sweeps), greedy, 128 tokens,
+# 2 x C prompts (at least 4), 2 rounds:
+#   drafter: pair (the 0.5B draft model, num_speculative_tokens 5) or ngram (prompt lookup, K up to 5)
+#   dataset: humaneval or mtbench
+# Measured on zen3 (pair: about 40 minutes a dataset, plus about 5 to profile on first use) and xeon.
+#   bash benchmarks/auto_sweep.sh pair|ngram humaneval|mtbench [result-stem]
+#        (default stem bench-results/auto_sweep_<drafter>_<dataset>)
+# Writes <stem>.json and <stem>.png; the profile's cached file is named in the JSON ("profile").
+set -euo pipefail
+case "${1:-}" in -h | --help) sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0" && exit 0 ;; esac
+cd "$(dirname "$0")/.."
+drafter=${1:?pair or ngram (--help)}
+dataset=${2:?humaneval or mtbench (--help)}
+case "$drafter" in
+pair) spec='{"method":"draft_model","model":"qwen2.5-coder-0.5b-instruct","num_speculative_tokens":5}' ;;
+ngram) spec='{"method":"ngram","num_speculative_tokens":5}' ;;
+*) echo "drafter: pair or ngram, not $drafter" >&2 && exit 2 ;;
+esac
+case "$dataset" in humaneval | mtbench) ;; *) echo "dataset: humaneval or mtbench, not $dataset" >&2 && exit 2 ;; esac
+stem=${3:-bench-results/auto_sweep_${drafter}_$dataset}
+.venv/bin/dynaspec bench sweep --model qwen2.5-coder-1.5b-instruct --speculative-config "$spec" --profile auto \
+    --dataset "$dataset" --concurrency 1,2,4,8 --prompts-per-concurrency 2 --min-prompts 4 --fixed-ks 1,2,3,4,5 \
+    --configs none,K=1,K=2,K=3,K=4,K=5,per-request --max-tokens 128 --rounds 2 \
+    --result-file "$stem.json" --plot "$stem.png"
