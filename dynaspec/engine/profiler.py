@@ -44,6 +44,7 @@ from dynaspec.kpolicy.cost import fit_timings
 from dynaspec.kpolicy.policy import FixedK
 from dynaspec.kpolicy.profile import (
     Profile,
+    acceptance_length,
     checked_cost_model,
     context_cost_of,
     derive_table,
@@ -61,8 +62,9 @@ log = logging.getLogger(__name__)
 # cached profile of an earlier version is measured again), batch sizes 1-32 with 12 and 24;
 # 3 = the engine's step costs changed under it (blocked attention, logits memory reused); 4 = cells
 # visited in rotated order and outlying cells visited again; 5 = the first batch sizes timed
-# densely, the cost model fitted within the grid's bounds (issue 37); 6 = a context axis (issue 40)
-PROFILER_VERSION = 6
+# densely, the cost model fitted within the grid's bounds (issue 37); 6 = a context axis (issue 40);
+# 7 = close calls between drafting and not visited again (issue 37)
+PROFILER_VERSION = 7
 
 
 @dataclass(slots=True)
@@ -81,6 +83,9 @@ class ProfileSettings:
     dense_rounds: int = 0
     dense_measured_steps: int = 0
     revisits: int = 2  # times a cell off its batch size's line in K (`outlying_cells`) is visited again
+    # rounds of visits (K=0, the best K, the best K, K=0) given a batch size whose best drafting K and
+    # K=0 are a close call (`close_call`, by the acceptance measured first), while the time budget lasts
+    close_rounds: int = 0
     catchup_rows: tuple[int, ...] = (1, 2, 4)  # whole prompts per timed drafter catch-up pass
     catchup_repeats: int = 2
     temperature: float = 0.0
@@ -165,6 +170,27 @@ def outlying_cells(row: dict[int, float], tolerance: float = REVISIT_TOLERANCE) 
     return flagged
 
 
+CLOSE_MARGIN = 0.15  # a batch size is a close call while neither side's goodput beats the other's by this
+
+
+def close_call(row: dict[int, float], alpha: list[float], margin: float = CLOSE_MARGIN) -> list[int]:
+    """[0, K] when drafting at one batch size is a close call: K the best drafting K of ``row``
+    (K -> ms, read as the policy reads it: ``smooth_itl``) by goodput AL(K) / ITL
+    (``acceptance_length`` over ``alpha``), and neither it nor K = 0 ahead of the other by
+    ``margin``; [] otherwise. Two quick auto profiles of the pair on one machine (xeon, each cell
+    the median of 9 steps) put ITL(2, 1) at 131.7 and 110.1 ms, and the policy drafted at 2
+    requests by one and not by the other (issue 37): whether to draft is the decision whose noise
+    a user sees, so its two cells get more steps, side by side."""
+    smoothed = smooth_itl({1: row})[1] if row else {}
+    scores = {k: acceptance_length(alpha, k) / ms for k, ms in smoothed.items() if k <= len(alpha)}
+    drafting = [k for k in scores if k > 0]
+    if 0 not in scores or not drafting:
+        return []
+    best = max(drafting, key=lambda k: (scores[k], -k))
+    ratio = scores[best] / scores[0]
+    return [0, best] if 1 / (1 + margin) < ratio < 1 + margin else []
+
+
 def measure_itl(
     engine: Engine,
     prompts: list,
@@ -173,6 +199,8 @@ def measure_itl(
     timings: list | None = None,
     revisited: dict[int, list[int]] | None = None,
     contexts: list[float] | None = None,
+    alpha: list[float] | None = None,
+    close_calls: dict[int, list[int]] | None = None,
 ) -> dict[int, dict[int, float]]:
     """Median step time in ms for each batch size and K = 0..max_k, K interleaved in rounds; each
     timed step's mean context per request goes into ``contexts`` (the grid's, for its context axis).
@@ -181,6 +209,11 @@ def measure_itl(
     ``settings.revisits`` times, and such a cell's figure is the median of its new steps alone
     (the first ones are what made it look wrong); a cell that is truly off the line measures the
     same again and keeps its figure. The Ks visited again go into ``revisited`` per batch size.
+
+    Then, given the acceptance ``alpha``, a batch size where drafting is a close call
+    (``close_call``) has its two cells visited ``settings.close_rounds`` more times in the order
+    0, K, K, 0 (drift lands on both alike) while the time budget lasts, their new steps pooled with
+    the rest; the pairs go into ``close_calls`` per batch size.
 
     Every request drafts K tokens in a step timed at K: the proposer fills its rows
     (``fill_drafts``). An n-gram lookup that found no match would otherwise propose nothing, and
@@ -236,6 +269,20 @@ def measure_itl(
                 bar.total += len(cells)
                 for k in cells:
                     again.setdefault(k, []).extend(visit(k, measured_steps))
+                    bar.update(1)
+            for _ in range(settings.close_rounds if alpha is not None else 0):
+                spent = time.perf_counter() - began
+                if settings.time_budget_s is not None and spent > settings.time_budget_s:
+                    break
+                row = {k: statistics.median(again.get(k) or t) for k, t in times.items() if t}
+                cells = close_call(row, alpha)
+                if not cells:
+                    break
+                if close_calls is not None:
+                    close_calls[bs] = cells
+                bar.total += 2 * len(cells)
+                for k in cells + cells[::-1]:
+                    (again[k] if k in again else times[k]).extend(visit(k, measured_steps))
                     bar.update(1)
             batch_stats[bs] = {
                 k: round(statistics.median(again.get(k) or t), 3) for k, t in times.items() if t
@@ -423,11 +470,16 @@ def run_profile(
     alpha = measure_acceptance(engine, prompts, settings, progress, timings)
     lap("acceptance")
     revisited: dict[int, list[int]] = {}
+    close_calls: dict[int, list[int]] = {}
     contexts: list[float] = []
-    batch_stats = measure_itl(engine, prompts, settings, progress, timings, revisited, contexts)
+    batch_stats = measure_itl(
+        engine, prompts, settings, progress, timings, revisited, contexts, alpha, close_calls
+    )
     lap("grid")
     measure_catchup(engine, prompts, settings, timings)
     lap("catchup")
+    fitted = fit_timings(timings, smooth_itl(batch_stats))
+    caught_up = any(extra > 1 for t in timings for _, extra, _ in t.draft_passes)
     context_stats = (
         measure_context_itl(engine, prompts, settings, progress) if settings.context_lengths else {}
     )
@@ -439,7 +491,8 @@ def run_profile(
         num_speculative_tokens_per_batch_size=derive_table(
             alpha, batch_stats, settings.max_k, engine.config.max_num_seqs
         ),
-        cost_model=fit_timings(timings, smooth_itl(batch_stats)),
+        cost_model=fitted,
+        catchup_ms_per_token=round(fitted["draft_pass_ms"][2], 4) if caught_up else None,
         context_tokens=round(statistics.mean(contexts), 1) if contexts and context_stats else None,
         context_stats=context_stats,
         meta={
@@ -461,6 +514,8 @@ def run_profile(
                 "dense_measured_steps": settings.dense_measured_steps,
                 "revisits": settings.revisits,
                 "revisited": {str(bs): ks for bs, ks in revisited.items()},
+                "close_rounds": settings.close_rounds,
+                "close_calls": {str(bs): ks for bs, ks in close_calls.items()},
                 "batch_sizes_measured": sorted(batch_stats),
                 "acceptance_prompts": settings.num_acceptance_prompts,
                 "acceptance_max_tokens": settings.acceptance_max_tokens,
@@ -522,7 +577,9 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
     timed passes): they are the cheapest cells (about 15 s more on the AVX-512 EPYC, taken from the
     same budget) and the ones the cost model's fit and the policy's closest calls rest on. With two
     steps a cell and one round, a quick draft-pair grid fitted a drafter pass of 75 ms with a negative
-    slope per row where its grid showed ~10 ms, and the policy never drafted (issue 37).
+    slope per row where its grid showed ~10 ms, and the policy never drafted (issue 37). A batch
+    size where drafting or not is a close call by the measured acceptance gets two more rounds of
+    its two cells (``close_call``).
 
     The context axis: batch sizes 1, 4 and 8 at K = 0, max_k / 2 and max_k over contexts of
     AUTO_CONTEXT_TOKENS a request, two rounds (``measure_context_itl``: no prefill of the long
@@ -540,6 +597,7 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
         dense_measured_steps=3,
         catchup_rows=(1, 2),
         catchup_repeats=2,
+        close_rounds=2,
         time_budget_s=AUTO_TIME_BUDGET_S,
         context_lengths=(AUTO_CONTEXT_TOKENS,),
         context_batch_sizes=tuple(b for b in (1, 4, 8) if b <= max_num_seqs) or (1,),

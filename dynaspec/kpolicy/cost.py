@@ -309,13 +309,19 @@ def fit_timings(
     }
 
 
-def prior_from_grid(batch_stats: dict[int, dict[int, float]]) -> tuple[list[float], list[float]]:
+def prior_from_grid(
+    batch_stats: dict[int, dict[int, float]], catchup_ms_per_token: float | None = None
+) -> tuple[list[float], list[float]]:
     """A cost model priced from the grid itself (profiles without a ``cost_model``, or whose
     model contradicts their grid): fit ITL = a + b*bs*(K+1) + K*(d + e*bs) on the grid, slopes
     non-negative, intercepts within ``GridBounds`` (pass the smoothed grid).
 
-    The grid has no prefill or catch-up, so their slopes are guessed from the decode ones
-    (prefill token = verify token, catch-up token = half a drafter row). The intercept a holds
+    The grid has no prefill or catch-up. The prefill slope is guessed from the decode one (prefill
+    token = verify token); the catch-up slope is ``catchup_ms_per_token``, the profile's timing of
+    the drafter over whole prompts, where it has one, else guessed as half a drafter row. That
+    guess rests on e, which the grid pins poorly (its columns K*bs and bs*(K+1) move together):
+    two quick profiles of the pair on xeon guessed 0.33 and 3.9 ms a token where both timed 2.6-2.7,
+    and the dearer guess kept 2 HumanEval requests from ever drafting (issue 37). The intercept a holds
     the step's overhead too, which live target passes do not time: a model from the grid is
     rescaled live by one scale for all passes (``StepCostModel(shared_scale=True)``).
     """
@@ -329,4 +335,5 @@ def prior_from_grid(batch_stats: dict[int, dict[int, float]]) -> tuple[list[floa
         return [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
     bounds = GridBounds.of(batch_stats)
     a, b, d, e = fit_bounded(xs, ys, [0.0] * 4, [bounds.plain_ms, math.inf, bounds.pass_ms, math.inf])
-    return [a, b, b], [d, e, round(e / 2, 6)]
+    catchup = e / 2 if catchup_ms_per_token is None else catchup_ms_per_token
+    return [a, b, b], [d, e, round(catchup, 6)]

@@ -204,7 +204,9 @@ class GoodputK:
                 )
             else:  # priced from the grid: its intercept holds the step overhead, so one live scale
                 cost_model = StepCostModel(
-                    *prior_from_grid(self.itl_grid), shared_scale=True, context=self.context_cost
+                    *prior_from_grid(self.itl_grid, profile.catchup_ms_per_token),
+                    shared_scale=True,
+                    context=self.context_cost,
                 )
         self.costs = cost_model
         self.per_request = per_request

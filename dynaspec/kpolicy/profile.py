@@ -59,6 +59,9 @@ class Profile:
         dict[Annotated[int, Field(ge=1)], dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=0)]]],
     ] = field(default_factory=dict)
     context_cost: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = None  # [u, v]
+    # the drafter's catch-up per prompt token (ms), timed over whole prompts (None: not timed);
+    # kept apart from ``cost_model`` because it prices the grid-priced fallback too
+    catchup_ms_per_token: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     @field_validator("context_cost")

@@ -59,6 +59,27 @@ def test_prior_from_grid_recovers_a_linear_machine():
     assert draft[:2] == pytest.approx(DRAFT[:2], abs=1e-3)
     assert prior_from_grid({}) == ([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
     assert prior_from_grid({1: {0: 0.0}}) == ([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+    # the grid has no catch-up: half a drafter row, unless the profile timed it
+    assert draft[2] == pytest.approx(DRAFT[1] / 2, abs=1e-3)
+    assert prior_from_grid(GRID, catchup_ms_per_token=2.6)[1] == pytest.approx([*DRAFT[:2], 2.6], abs=1e-3)
+
+
+def test_a_grid_priced_policy_charges_the_catchup_the_profile_timed(tmp_path):
+    """A profile whose cost model failed its grid check (None) still prices a new request's
+    catch-up at the rate its profile timed over whole prompts; without one, at half a drafter row."""
+    alpha = [0.9, 0.8]
+    timed = Profile(2, alpha, GRID, catchup_ms_per_token=2.6)
+    assert GoodputK(timed, 2).costs.catchup_ms_per_token() == pytest.approx(2.6)
+    assert GoodputK(Profile(2, alpha, GRID), 2).costs.catchup_ms_per_token() == pytest.approx(
+        DRAFT[1] / 2, abs=1e-3
+    )
+
+    saved = tmp_path / "profile.json"
+    save_profile(timed, saved)
+    assert load_profile(saved).catchup_ms_per_token == 2.6
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "catchup_ms_per_token": -1.0}))
+    with pytest.raises(ValueError, match="catchup_ms_per_token"):
+        load_profile(saved)
 
 
 def test_fit_timings_separates_prefill_and_catchup_costs():

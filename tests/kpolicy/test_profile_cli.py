@@ -10,6 +10,7 @@ from dynaspec.cli import main
 from dynaspec.engine import profiler
 from dynaspec.engine.profiler import (
     ProfileSettings,
+    close_call,
     measure_catchup,
     measure_itl,
     outlying_cells,
@@ -66,6 +67,8 @@ def test_profile_then_goodput_engine(tmp_path, target_dir):
     assert len(profile.acceptance_rate_per_pos) == 3 and profile.acceptance_rate_per_pos[0] > 0
     assert profile.meta["settings"]["rounds"] == 2
     assert profile.num_speculative_tokens_per_batch_size[0][:1] == [1]
+    # the drafter's catch-up, timed over whole prompts, is kept apart from the cost model
+    assert profile.catchup_ms_per_token is not None and profile.catchup_ms_per_token >= 0
     # the table is goodput's own choice on the measured data (which K wins is up to the timings),
     # up to the engine's max_num_seqs (32 by default) on the grid extended past batch size 4
     table = profile.num_speculative_tokens_per_batch_size
@@ -192,6 +195,7 @@ def test_auto_profiles_once_reuses_the_cache_and_replaces_a_corrupt_one(
     assert len(calls) == 1 and len(cached) == 1 and "profiling this machine" in caplog.text
     assert isinstance(first.k_policy, GoodputK) and first.k_policy.max_k == 3
     assert load_profile(cached[0]).batch_stats  # a real profile, measured on this engine
+    assert load_profile(cached[0]).catchup_ms_per_token is None  # n-gram: nothing to catch up on
     assert first.stats()["num_steps"] == 0  # the profiling steps are not the user's statistics
     plain = run_alone(target_dir, PROMPTS)
     assert run_staggered(first, PROMPTS, arrive_every=2) == plain
@@ -259,6 +263,49 @@ def test_outlying_cells_are_visited_again_and_recorded(target_dir, monkeypatch):
     stats = measure_itl(engine, PROMPTS, settings, progress=False, timings=timings, revisited=revisited)
     assert revisited == {2: [0, 1, 2, 3]} and sorted(stats[2]) == [0, 1, 2, 3]
     assert sum(1 for t in timings if t.prefill_tokens == 0) == 4 + 2 * 4  # a round of 4 Ks, 2 revisits
+
+
+def test_close_call_names_k0_and_the_best_drafting_k_only_when_neither_clearly_wins():
+    alpha = [0.8, 0.62, 0.58, 0.48, 0.44]  # the pair's auto profiles on xeon (mixed prompts)
+    # ITL(2, K) of the two, read smoothed: by the first K=0 wins by 10%, by the second K=1 by 6.5%
+    first = {0: 64.8, 1: 136.5, 2: 193.3, 3: 245.8, 4: 287.4, 5: 383.5}
+    second = {0: 65.1, 1: 119.0, 2: 163.3, 3: 220.1, 4: 274.6, 5: 353.0}
+    assert close_call(first, alpha) == close_call(second, alpha) == [0, 1]
+    # their batch 1: K=1 ahead by 17-19%, clear of the margin
+    assert close_call({0: 67.3, 1: 103.1, 2: 135.8, 3: 169.1, 4: 223.2, 5: 244.4}, alpha) == []
+    assert close_call({0: 59.6, 1: 90.9, 2: 112.0, 3: 166.7, 4: 187.6, 5: 213.8}, alpha) == []
+    # batch 1 of the first: K=2 (AL 2.42 / 135.8 ms) ahead of K=0 by 20%, clear of the margin
+    assert close_call({0: 67.3, 1: 103.1, 2: 135.8, 3: 169.1}, alpha[:3]) == []
+    assert close_call({0: 67.3, 1: 103.1}, alpha[:1], margin=0.2) == [0, 1]
+    # a drafter whose steps cost nothing extra at high acceptance: drafting clearly wins
+    assert close_call({0: 50.0, 1: 52.0, 2: 54.0}, [0.9, 0.9]) == []
+    # nothing to compare: no K=0 cell, no drafting cell, an empty row
+    assert (
+        close_call({1: 50.0, 2: 60.0}, alpha) == close_call({0: 50.0}, alpha) == close_call({}, alpha) == []
+    )
+
+
+def test_close_calls_are_visited_again_in_pairs_and_recorded(target_dir, monkeypatch):
+    """Given the acceptance, a close call's two cells are visited ``close_rounds`` more times each
+    way (0, K, K, 0), and the pair is recorded per batch size; without the acceptance (or with
+    close_rounds 0) nothing more is timed."""
+    engine = make_engine(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    settings = ProfileSettings(
+        batch_sizes=[1, 2], max_k=2, warmup_steps=0, measured_steps=1, rounds=1, revisits=0, close_rounds=2
+    )
+    monkeypatch.setattr(profiler, "close_call", lambda row, alpha: [0, 2] if len(row) == 3 else [])
+    timings, calls = [], {}
+    stats = measure_itl(engine, PROMPTS, settings, False, timings, alpha=[0.5, 0.5], close_calls=calls)
+    assert calls == {1: [0, 2], 2: [0, 2]} and all(sorted(row) == [0, 1, 2] for row in stats.values())
+    # per batch size a round of 3 Ks, then 2 close rounds of 4 visits
+    assert sum(1 for t in timings if t.prefill_tokens == 0) == 2 * (3 + 2 * 4)
+    timings, calls = [], {}
+    measure_itl(engine, PROMPTS, settings, False, timings, close_calls=calls)  # no acceptance given
+    assert calls == {} and sum(1 for t in timings if t.prefill_tokens == 0) == 2 * 3
+    settings.time_budget_s = 0.0  # a spent budget: no close rounds either
+    timings, calls = [], {}
+    measure_itl(engine, PROMPTS, settings, False, timings, alpha=[0.5, 0.5], close_calls=calls)
+    assert calls == {} and sum(1 for t in timings if t.prefill_tokens == 0) == 2 * 3
 
 
 # plain-step rows (bs -> ITL(bs, 0) ms) of profiles made while a test suite held the cores, and quiet ones
