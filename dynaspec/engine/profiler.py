@@ -247,7 +247,8 @@ def measure_itl(
             rounds, measured_steps = _rounds(settings, i), _measured_steps(settings, i)
             # enough tokens for every visit to run its steps without any request finishing
             steps_per_visit = settings.warmup_steps + measured_steps
-            budget = (rounds + settings.revisits) * len(ks) * steps_per_visit * (settings.max_k + 1) + 8
+            visits_at_most = (rounds + settings.revisits) * len(ks) + 4 * settings.close_rounds
+            budget = visits_at_most * steps_per_visit * (settings.max_k + 1) + 8
             params = SamplingParams(
                 max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0
             )
