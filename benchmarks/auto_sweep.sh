@@ -6,7 +6,8 @@
 # 2 x C prompts (at least 4), 2 rounds:
 #   drafter: pair (the 0.5B draft model, num_speculative_tokens 5) or ngram (prompt lookup, K up to 5)
 #   dataset: humaneval or mtbench
-# Measured on zen3 (pair: about 40 minutes a dataset, plus about 5 to profile on first use) and xeon.
+# Measured on xeon (results/xeon/auto37/: 10-13 minutes a dataset, plus about 4 to profile on first
+# use); the zen3 sweeps of the record ran the same with the profile's file (about 40 minutes a dataset).
 #   bash benchmarks/auto_sweep.sh pair|ngram humaneval|mtbench [result-stem]
 #        (default stem bench-results/auto_sweep_<drafter>_<dataset>)
 # Writes <stem>.json and <stem>.png; the profile's cached file is named in the JSON ("profile").
