@@ -103,6 +103,16 @@ def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: i
     return policies
 
 
+def profile_path(flag: str | None, spec) -> str | None:
+    """The profile a benchmark prices its policies with: ``--profile`` (a file, or "auto"), else the
+    speculative config's own ``dynamic_config_path``; a file beside a config saying "auto" is refused."""
+    from dynaspec.engine.engine import AUTO
+
+    if flag and spec.dynamic_config_path == AUTO:
+        raise ValueError('--profile: the speculative config already says "dynamic_config_path": "auto"')
+    return flag or spec.dynamic_config_path
+
+
 def without_context_axis(profile):
     """The profile as a context-blind policy reads it (every step priced at the grid's contexts)."""
     from dynaspec.kpolicy.profile import Profile

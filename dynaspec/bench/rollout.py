@@ -24,7 +24,14 @@ import math
 import random
 import time
 
-from dynaspec.bench.common import DYNAMIC_CONFIGS, command_args, format_table, k_policies, write_result
+from dynaspec.bench.common import (
+    DYNAMIC_CONFIGS,
+    command_args,
+    format_table,
+    k_policies,
+    profile_path,
+    write_result,
+)
 from dynaspec.engine.args import add_engine_args
 
 
@@ -294,8 +301,6 @@ def run(args: argparse.Namespace) -> int:
     if any(s is None for s in specs[1:]):
         raise ValueError("--also-speculative-config: a drafter's config, not null")
     fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k.strip()]
-    if args.profile and specs[0].dynamic_config_path == AUTO:
-        raise ValueError('--profile: the speculative config already says "dynamic_config_path": "auto"')
     chosen = [name.strip() for name in args.policies.split(",") if name.strip()]
     unknown = sorted(set(chosen) - {"table", *DYNAMIC_CONFIGS})
     if unknown:
@@ -307,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         )
     # each drafter's profile: --profile for the first, else its own dynamic_config_path (a file, or
     # "auto": the engine's own, made on first use below); the deepest K any configuration drafts
-    paths = [args.profile or specs[0].dynamic_config_path] + [s.dynamic_config_path for s in specs[1:]]
+    paths = [profile_path(args.profile, specs[0])] + [s.dynamic_config_path for s in specs[1:]]
     profiles = [load_profile(path) if path and path != AUTO else None for path in paths]
     deepest_k = [
         known.max_num_speculative_tokens

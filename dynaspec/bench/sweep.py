@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from dynaspec.bench.common import DYNAMIC_CONFIGS, command_args, k_policies
+from dynaspec.bench.common import DYNAMIC_CONFIGS, command_args, k_policies, profile_path
 from dynaspec.engine.args import add_engine_args
 
 TABLE_HEADER = (
@@ -163,9 +163,7 @@ def run(args: argparse.Namespace) -> int:
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None:
         raise ValueError("--speculative-config: the sweep needs the drafter's config")
-    if args.profile and spec.dynamic_config_path == AUTO:
-        raise ValueError('--profile: the speculative config already says "dynamic_config_path": "auto"')
-    path = args.profile or spec.dynamic_config_path
+    path = profile_path(args.profile, spec)
     for flag, value in (("--model", args.model), ("--profile", path)):
         if not value:
             raise ValueError(f"{flag}: required to run a sweep (only --from-json runs without it)")
@@ -190,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     if profile is None:  # "auto": the profile an engine with this config makes (or reads back) on first use
         spec_engine = Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": spec_dict}))
         profile = auto_profile(spec_engine, spec)
+        path = str(auto_profile_path(auto_profile_key(spec_engine, spec)))  # where it is cached
     table = profile.num_speculative_tokens_per_batch_size
     policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
     configs = ["none", *policies]
@@ -241,8 +240,7 @@ def run(args: argparse.Namespace) -> int:
     report = summarize(results, configs, concurrencies, args.temperature == 0)
     report["command_args"] = command_args(args)
     report["profile_table"] = table
-    # the profile's file (for "auto", where the engine cached it)
-    report["profile"] = str(auto_profile_path(auto_profile_key(spec_engine, spec)) if spec_engine else path)
+    report["profile"] = path
     print(format_report(report))
     if args.result_file:
         _save(args.result_file, report)

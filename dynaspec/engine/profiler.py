@@ -257,14 +257,13 @@ def measure_itl(
                 while not all(r.is_decoding for r in requests):  # prefill everyone first
                     engine.step()
             times: dict[int, list[float]] = {k: [] for k in ks}
+            again: dict[int, list[float]] = {}
             for order in visit_order(ks, rounds):
                 for k in order:
                     times[k].extend(visit(k, measured_steps))
                     bar.update(1)
-            again: dict[int, list[float]] = {}
             for _ in range(settings.revisits):
-                row = {k: statistics.median(again.get(k) or t) for k, t in times.items() if t}
-                cells = outlying_cells(row)
+                cells = outlying_cells(_medians(times, again))
                 if not cells:
                     break
                 bar.total += len(cells)
@@ -275,8 +274,7 @@ def measure_itl(
                 spent = time.perf_counter() - began
                 if settings.time_budget_s is not None and spent > settings.time_budget_s:
                     break
-                row = {k: statistics.median(again.get(k) or t) for k, t in times.items() if t}
-                cells = close_call(row, alpha)
+                cells = close_call(_medians(times, again), alpha)
                 if not cells:
                     break
                 if close_calls is not None:
@@ -285,9 +283,7 @@ def measure_itl(
                 for k in cells + cells[::-1]:
                     (again[k] if k in again else times[k]).extend(visit(k, measured_steps))
                     bar.update(1)
-            batch_stats[bs] = {
-                k: round(statistics.median(again.get(k) or t), 3) for k, t in times.items() if t
-            }
+            batch_stats[bs] = {k: round(ms, 3) for k, ms in _medians(times, again).items()}
             if revisited is not None and again:
                 revisited[bs] = sorted(again)
             for r in requests:
@@ -295,6 +291,11 @@ def measure_itl(
     if timings is not None:
         timings.extend(run.timings)
     return batch_stats
+
+
+def _medians(times: dict[int, list[float]], again: dict[int, list[float]]) -> dict[int, float]:
+    """Each cell's median step; a cell visited again (``again``) is its new steps' alone."""
+    return {k: statistics.median(again.get(k) or t) for k, t in times.items() if t}
 
 
 def _visit(
