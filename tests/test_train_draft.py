@@ -58,6 +58,36 @@ def test_the_trained_forward_is_the_engines_head_after_a_round_trip(target_dir, 
     torch.testing.assert_close(chained, steps[1][-1:].detach(), rtol=1e-4, atol=1e-4)
 
 
+def test_answers_are_recorded_as_a_teacher_forced_pass_would_capture_them(target_dir, tmp_path):
+    """The shards ``collect`` records while the target answers (prefill chunks of 8 tokens, a
+    batch of 3) hold, per position but the last, the hidden states and top-k the teacher-forced
+    ``capture`` gives over the finished conversation; the runner is plain again afterwards."""
+    engine = make_engine(target_dir, max_num_batched_tokens=8)
+    settings = eagle3.TrainSettings(max_tokens=12, generate_batch=3, top_k=4)
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
+    shards = eagle3.collect(engine, prompts, settings, tmp_path, progress=False)
+    assert len(shards) == 3 and engine.runner.observer is None and engine.runner.hidden_layers == ()
+    layers = eagle3.head_layers(engine.model_config.num_hidden_layers)
+    for path in shards:
+        shard = torch.load(path)
+        ids, p = shard["ids"].tolist(), shard["prompt_len"]
+        assert len(ids) > p + 1 and shard["hidden"].shape[0] == len(ids) - 1
+        hidden, top_ids, top_probs = eagle3.capture(engine, ids, layers, 4)
+        torch.testing.assert_close(shard["hidden"].float(), hidden[:-1].float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(shard["top_probs"][p - 1 :], top_probs[p - 1 : -1], rtol=1e-2, atol=1e-3)
+        assert torch.equal(shard["top_ids"][p - 1 :, 0], top_ids[p - 1 : -1, 0])  # the greedy token
+        assert torch.equal(shard["top_ids"][p - 1 :, 0].long(), torch.tensor(ids[p:]))  # as answered
+        assert not shard["top_probs"][: p - 1].any()  # prompt positions carry no label
+
+
+def test_precision_names_the_training_steps_matmuls():
+    assert not eagle3.autocast_of("float32")._enabled
+    assert eagle3.autocast_of("bfloat16")._enabled
+    assert eagle3.autocast_of("auto")._enabled == eagle3.bf16_matmuls()
+    with pytest.raises(ValueError, match="--precision"):
+        eagle3.autocast_of("float16")
+
+
 def test_evaluation_sets_are_never_trained_on():
     for name in ("humaneval", "MT-Bench", "mixed", "codeedit", "longedit"):
         with pytest.raises(ValueError, match="evaluation set"):

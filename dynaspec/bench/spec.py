@@ -30,7 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--eagle3", default=None, metavar="DIR", help="also an EAGLE-3 head (a checkpoint directory)"
     )
-    p.add_argument("--eagle-k", type=int, default=3, help="K for --eagle3")
+    p.add_argument(
+        "--eagle-k", default="3", help="K values for --eagle3 (comma-separated; its head int8 on the CPU)"
+    )
     p.add_argument(
         "--quantization",
         default="auto",
@@ -106,9 +108,12 @@ def run(args: argparse.Namespace) -> int:
         engines["ngram"] = Engine(EngineConfig(model=args.model, speculative_config=ngram, **base))
         configs.append((f"dynaspec ngram K={args.ngram_k}", "ngram", args.ngram_k))
     if args.eagle3:
-        eagle = {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": args.eagle_k}
+        eagle_ks = [int(k) for k in str(args.eagle_k).split(",") if k.strip()]
+        if not eagle_ks or min(eagle_ks) < 1:
+            raise ValueError(f"--eagle-k: need comma-separated integers >= 1, got {args.eagle_k!r}")
+        eagle = {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": max(eagle_ks)}
         engines["eagle3"] = Engine(EngineConfig(model=args.model, speculative_config=eagle, **base))
-        configs.append((f"dynaspec eagle3 K={args.eagle_k}", "eagle3", args.eagle_k))
+        configs += [(f"dynaspec eagle3 K={k}", "eagle3", k) for k in eagle_ks]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     tokenizer = engines["plain"].tokenizer
     prompt_ids = [tokenizer.apply_chat_template(p) for p in prompts]

@@ -38,6 +38,13 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--intermediate-size", type=int, default=None, help="the head's MLP (default: the target's)"
     )
+    p.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the training step's matmuls (auto: bfloat16 where the CPU has AMX or AVX-512 BF16; "
+        "weights stay float32)",
+    )
     p.add_argument("--fresh", action="store_true", help="start training over (the collected data is kept)")
     p.set_defaults(func=run)
 
@@ -77,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         eval_every=args.eval_every,
         intermediate_size=args.intermediate_size,
         generate_batch=args.generate_batch,
+        precision=args.precision,
     )
     prompts = eagle3.training_prompts(args.dataset, args.num_prompts)
     if len(prompts) < 2:

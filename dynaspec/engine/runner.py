@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,20 @@ class ModelRunner:
         self.window: int | None = None
         self.num_slots = num_slots
         self.static: StaticDecoder | None = None  # decode-only steps on fixed shapes (enable_static)
+        self.observer: Callable[[SchedulePlan, TargetLogits], None] | None = None  # observe()
+
+    def observe(
+        self, layers: tuple[int, ...], fn: Callable[[SchedulePlan, TargetLogits], None] | None
+    ) -> None:
+        """Hand each step's plan and the target's pass to ``fn``, with the hidden states entering
+        ``layers`` (``dynaspec train-draft`` records the target's answers so); None stops it. Not
+        with a proposer that reads hidden states of its own."""
+        if fn is None:
+            self.observer, self.hidden_layers = None, ()
+            return
+        if self.hidden_layers and self.observer is None:
+            raise ValueError("observe: the proposer reads the target's hidden states already")
+        self.observer, self.hidden_layers = fn, tuple(layers)
 
     def enable_static(self, max_num_seqs: int, max_width: int, max_model_len: int) -> StaticDecoder:
         """Run decode-only steps on fixed shapes from now on (``StaticDecoder``)."""
@@ -75,6 +90,13 @@ class ModelRunner:
         return self.static
 
     def forward(self, plan: SchedulePlan, drafts: Drafts) -> TargetLogits:
+        """The target's pass for a step (``_forward``), shown to the observer if there is one."""
+        out = self._forward(plan, drafts)
+        if self.observer is not None:
+            self.observer(plan, out)
+        return out
+
+    def _forward(self, plan: SchedulePlan, drafts: Drafts) -> TargetLogits:
         """The target's pass for a step: each decode's last token and drafts, then the prefill chunks.
 
         Row i of ``sampled`` holds the logits of ``plan.sampled[i]``: a decode's last token and its

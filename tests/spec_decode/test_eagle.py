@@ -359,7 +359,8 @@ def test_drafts_equal_the_papers_head_on_hugging_face_s_hidden_states(
     of the reference head run from scratch on the whole context and Hugging Face's states."""
     path = eagle3_dir if method == "eagle3" else eagle_dir
     k = 3
-    spec = {"method": method, "model": str(path), "num_speculative_tokens": k}
+    # the head as stored (the reference's float weights), not the CPU's int8 default
+    spec = {"method": method, "model": str(path), "num_speculative_tokens": k, "draft_quantization": "none"}
     if accept is not None:
         spec["synthetic_acceptance_rate"] = accept
     engine = make_engine(target_dir, speculative_config=spec)
