@@ -45,7 +45,11 @@ def add_parser(sub) -> None:
         help="the training step's matmuls (auto: bfloat16 where the CPU has AMX or AVX-512 BF16; "
         "weights stay float32)",
     )
-    p.add_argument("--fresh", action="store_true", help="start training over (the collected data is kept)")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start training over, the draft vocabulary chosen again (the collected data is kept)",
+    )
     p.set_defaults(func=run)
 
 
@@ -100,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts: too few conversations to hold some out and train on the rest")
     vocab = engine.model_config.vocab_size
     ids_file = output / "draft_ids.pt"
+    if args.fresh:  # the training and the draft vocabulary start over on the data there now
+        ids_file.unlink(missing_ok=True)
     if ids_file.is_file():
         draft_ids = torch.load(ids_file)
     else:

@@ -198,7 +198,9 @@ def collect(
                             "top_ids": top_ids,
                             "top_probs": top_probs,
                         }
-                    torch.save(shard, data_dir / f"{i:06d}.pt")
+                    partial = data_dir / f"{i:06d}.pt.partial"  # a run stopped mid-write leaves no shard
+                    torch.save(shard, partial)
+                    partial.replace(data_dir / f"{i:06d}.pt")
                     bar.update(1)
     finally:
         engine.runner.observe((), None)
