@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         engines["ngram"] = Engine(EngineConfig(model=args.model, speculative_config=ngram, **base))
         configs.append((f"dynaspec ngram K={args.ngram_k}", "ngram", args.ngram_k))
     if args.eagle3:
-        eagle_ks = [int(k) for k in str(args.eagle_k).split(",") if k.strip()]
+        eagle_ks = [int(k) for k in args.eagle_k.split(",") if k.strip()]
         if not eagle_ks or min(eagle_ks) < 1:
             raise ValueError(f"--eagle-k: need comma-separated integers >= 1, got {args.eagle_k!r}")
         eagle = {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": max(eagle_ks)}

@@ -190,14 +190,7 @@ def collect(
                     shard = recorder.shard(r)
                     if shard is None:  # its rows came twice (preempted, recomputed): a pass of its own
                         tokens = r.prompt_token_ids + r.output_token_ids
-                        hidden, top_ids, top_probs = capture(engine, tokens, layers, settings.top_k)
-                        shard = {
-                            "ids": torch.tensor(tokens, dtype=torch.int32),
-                            "prompt_len": len(r.prompt_token_ids),
-                            "hidden": hidden,
-                            "top_ids": top_ids,
-                            "top_probs": top_probs,
-                        }
+                        shard = shard_of(r, *capture(engine, tokens, layers, settings.top_k))
                     partial = data_dir / f"{i:06d}.pt.partial"  # a run stopped mid-write leaves no shard
                     torch.save(shard, partial)
                     partial.replace(data_dir / f"{i:06d}.pt")
@@ -237,9 +230,8 @@ class AnswerRecorder:
         one per position (a request preempted and computed again)."""
         hidden = self.hidden.pop(request.request_id, [])
         top = self.top.pop(request.request_id, [])
-        tokens = request.prompt_token_ids + request.output_token_ids
         prompt_len = len(request.prompt_token_ids)
-        positions = len(tokens) - 1  # the last token is never fed back
+        positions = prompt_len + len(request.output_token_ids) - 1  # the last token is never fed back
         hidden = torch.cat(hidden) if hidden else torch.empty(0)
         if hidden.shape[0] != positions or len(top) != len(request.output_token_ids):
             return None
@@ -247,13 +239,19 @@ class AnswerRecorder:
         top_probs = torch.zeros(positions, self.top_k, dtype=torch.float16)
         top_ids[prompt_len - 1 :] = torch.stack([i for i, _ in top])
         top_probs[prompt_len - 1 :] = torch.stack([p for _, p in top])
-        return {
-            "ids": torch.tensor(tokens, dtype=torch.int32),
-            "prompt_len": prompt_len,
-            "hidden": hidden,
-            "top_ids": top_ids,
-            "top_probs": top_probs,
-        }
+        return shard_of(request, hidden, top_ids, top_probs)
+
+
+def shard_of(request, hidden: torch.Tensor, top_ids: torch.Tensor, top_probs: torch.Tensor) -> dict:
+    """A conversation's shard: the finished ``request``'s ids (prompt and answer) and prompt
+    length, with its hidden states and the target's top-k per position."""
+    return {
+        "ids": torch.tensor(request.prompt_token_ids + request.output_token_ids, dtype=torch.int32),
+        "prompt_len": len(request.prompt_token_ids),
+        "hidden": hidden,
+        "top_ids": top_ids,
+        "top_probs": top_probs,
+    }
 
 
 CAPTURE_CHUNK = 256  # tokens per teacher-forced pass (the logits of a chunk: chunk x vocab floats)
