@@ -82,7 +82,7 @@ class TrainSettings:
 def bf16_matmuls() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AMX tiles or AVX-512 BF16): the head's
     training step then runs its matmuls in bfloat16 (on the AMX xeon 2.5 s against 4.3 a
-    conversation step, one thread)."""
+    conversation step, one thread, profiled once while another job ran)."""
     return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
