@@ -5,10 +5,12 @@
 # (results/README.md, "Goodput and auto profiles": the auto-profile sweeps), greedy, 128 tokens,
 # 2 x C prompts (at least 4), 2 rounds:
 #   drafter: pair (the 0.5B draft model, num_speculative_tokens 5) or ngram (prompt lookup, K up to 5)
-#   dataset: humaneval or mtbench
+#   dataset: humaneval, mtbench, or longedit (issue 40's long contexts: each prompt >= 2,000 tokens, an
+#            edit after a module of code; ctx-blind, per-request without the profile's context axis,
+#            runs beside per-request)
 # Measured on xeon (results/xeon/auto37/: 10-13 minutes a dataset, plus about 4 to profile on first
 # use); the zen3 sweeps of the record ran the same with the profile's file (about 40 minutes a dataset).
-#   bash benchmarks/auto_sweep.sh pair|ngram humaneval|mtbench [result-stem]
+#   bash benchmarks/auto_sweep.sh pair|ngram humaneval|mtbench|longedit [result-stem]
 #        (default stem bench-results/auto_sweep_<drafter>_<dataset>)
 # Writes <stem>.json and <stem>.png; the profile's cached file is named in the JSON ("profile").
 set -euo pipefail
@@ -21,9 +23,14 @@ pair) spec='{"method":"draft_model","model":"qwen2.5-coder-0.5b-instruct","num_s
 ngram) spec='{"method":"ngram","num_speculative_tokens":5}' ;;
 *) echo "drafter: pair or ngram, not $drafter" >&2 && exit 2 ;;
 esac
-case "$dataset" in humaneval | mtbench) ;; *) echo "dataset: humaneval or mtbench, not $dataset" >&2 && exit 2 ;; esac
+configs=none,K=1,K=2,K=3,K=4,K=5,per-request
+case "$dataset" in
+humaneval | mtbench) ;;
+longedit) configs=$configs,ctx-blind ;;
+*) echo "dataset: humaneval, mtbench or longedit, not $dataset" >&2 && exit 2 ;;
+esac
 stem=${3:-bench-results/auto_sweep_${drafter}_$dataset}
 .venv/bin/dynaspec bench sweep --model qwen2.5-coder-1.5b-instruct --speculative-config "$spec" --profile auto \
     --dataset "$dataset" --concurrency 1,2,4,8 --prompts-per-concurrency 2 --min-prompts 4 --fixed-ks 1,2,3,4,5 \
-    --configs none,K=1,K=2,K=3,K=4,K=5,per-request --max-tokens 128 --rounds 2 \
+    --configs "$configs" --max-tokens 128 --rounds 2 \
     --result-file "$stem.json" --plot "$stem.png"

@@ -471,6 +471,13 @@ def run(args: argparse.Namespace) -> int:
             "lengths": caps,
             "rows": records,
             "model": model,
+            # each drafter's profile as this run used it (an auto one may not be cached: one out of
+            # line with itself prices its run only)
+            "profiles": {
+                (prefix or "spec"): known.to_json()
+                for prefix, known in zip(drafter_names(specs), profiles)
+                if known is not None
+            },
         },
     )
     if args.plot:

@@ -50,6 +50,7 @@ from dynaspec.kpolicy.profile import (
     derive_table,
     implausible_plain_steps,
     load_profile,
+    rows_out_of_line,
     save_profile,
     smooth_itl,
 )
@@ -63,7 +64,8 @@ log = logging.getLogger(__name__)
 # 3 = the engine's step costs changed under it (blocked attention, logits memory reused); 4 = cells
 # visited in rotated order and outlying cells visited again; 5 = the first batch sizes timed
 # densely, the cost model fitted within the grid's bounds (issue 37); 6 = a context axis (issue 40);
-# 7 = close calls between drafting and not visited again (issue 37)
+# 7 = close calls between drafting and not visited again (issue 37). Rows timed again when out of line
+# with their neighbours' (``rows_out_of_line``) changed no cached profile: one out of line is not cached
 PROFILER_VERSION = 7
 
 
@@ -201,6 +203,7 @@ def measure_itl(
     contexts: list[float] | None = None,
     alpha: list[float] | None = None,
     close_calls: dict[int, list[int]] | None = None,
+    retimed: dict[int, int] | None = None,
 ) -> dict[int, dict[int, float]]:
     """Median step time in ms for each batch size and K = 0..max_k, K interleaved in rounds; each
     timed step's mean context per request goes into ``contexts`` (the grid's, for its context axis).
@@ -215,6 +218,12 @@ def measure_itl(
     0, K, K, 0 (drift lands on both alike) while the time budget lasts, their new steps pooled with
     the rest; the pairs go into ``close_calls`` per batch size.
 
+    Last, rows whose plain step no quiet machine measures beside their neighbours'
+    (``rows_out_of_line``) are timed again afresh, whole, up to ``settings.revisits`` times: a
+    stretch of a shared VM that slows one row's steps 2-4x is what made them so, and a profile that
+    keeps such a row is not cached (every later start would profile again). How often each batch
+    size was timed again goes into ``retimed``.
+
     Every request drafts K tokens in a step timed at K: the proposer fills its rows
     (``fill_drafts``). An n-gram lookup that found no match would otherwise propose nothing, and
     the cell would time fewer verified tokens than bs x (K+1), as the first n-gram profile did:
@@ -223,11 +232,55 @@ def measure_itl(
     batch_stats: dict[int, dict[int, float]] = {}
     ks = list(range(settings.max_k + 1))
     visits = sum(len(ks) * _rounds(settings, i) for i in range(len(settings.batch_sizes)))
+    began = time.perf_counter()
 
     def visit(k: int, measured_steps: int) -> list[float]:
         return _visit(engine, k, settings.warmup_steps, measured_steps, contexts)
 
-    began = time.perf_counter()
+    def time_row(i: int, bs: int, bar: tqdm) -> dict[int, float]:
+        rounds, measured_steps = _rounds(settings, i), _measured_steps(settings, i)
+        # enough tokens for every visit to run its steps without any request finishing
+        steps_per_visit = settings.warmup_steps + measured_steps
+        visits_at_most = (rounds + settings.revisits) * len(ks) + 4 * settings.close_rounds
+        budget = visits_at_most * steps_per_visit * (settings.max_k + 1) + 8
+        params = SamplingParams(max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0)
+        requests = [engine.add_request(prompts[i % len(prompts)], params) for i in range(bs)]
+        with _fixed_k(engine, 0):
+            while not all(r.is_decoding for r in requests):  # prefill everyone first
+                engine.step()
+        times: dict[int, list[float]] = {k: [] for k in ks}
+        again: dict[int, list[float]] = {}
+        for order in visit_order(ks, rounds):
+            for k in order:
+                times[k].extend(visit(k, measured_steps))
+                bar.update(1)
+        for _ in range(settings.revisits):
+            cells = outlying_cells(_medians(times, again))
+            if not cells:
+                break
+            bar.total += len(cells)
+            for k in cells:
+                again.setdefault(k, []).extend(visit(k, measured_steps))
+                bar.update(1)
+        for _ in range(settings.close_rounds if alpha is not None else 0):
+            spent = time.perf_counter() - began
+            if settings.time_budget_s is not None and spent > settings.time_budget_s:
+                break
+            cells = close_call(_medians(times, again), alpha)
+            if not cells:
+                break
+            if close_calls is not None:
+                close_calls[bs] = cells
+            bar.total += 2 * len(cells)
+            for k in cells + cells[::-1]:
+                (again[k] if k in again else times[k]).extend(visit(k, measured_steps))
+                bar.update(1)
+        if revisited is not None and again:
+            revisited[bs] = sorted(again)
+        for r in requests:
+            engine.abort(r.request_id)
+        return {k: round(ms, 3) for k, ms in _medians(times, again).items()}
+
     with (
         tqdm(total=visits, desc="ITL(bs, K)", unit="visit", disable=not progress) as bar,
         engine.recording() as run,
@@ -244,50 +297,17 @@ def measure_itl(
                     settings.batch_sizes[i:],
                 )
                 break
-            rounds, measured_steps = _rounds(settings, i), _measured_steps(settings, i)
-            # enough tokens for every visit to run its steps without any request finishing
-            steps_per_visit = settings.warmup_steps + measured_steps
-            visits_at_most = (rounds + settings.revisits) * len(ks) + 4 * settings.close_rounds
-            budget = visits_at_most * steps_per_visit * (settings.max_k + 1) + 8
-            params = SamplingParams(
-                max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0
-            )
-            requests = [engine.add_request(prompts[i % len(prompts)], params) for i in range(bs)]
-            with _fixed_k(engine, 0):
-                while not all(r.is_decoding for r in requests):  # prefill everyone first
-                    engine.step()
-            times: dict[int, list[float]] = {k: [] for k in ks}
-            again: dict[int, list[float]] = {}
-            for order in visit_order(ks, rounds):
-                for k in order:
-                    times[k].extend(visit(k, measured_steps))
-                    bar.update(1)
-            for _ in range(settings.revisits):
-                cells = outlying_cells(_medians(times, again))
-                if not cells:
-                    break
-                bar.total += len(cells)
-                for k in cells:
-                    again.setdefault(k, []).extend(visit(k, measured_steps))
-                    bar.update(1)
-            for _ in range(settings.close_rounds if alpha is not None else 0):
-                spent = time.perf_counter() - began
-                if settings.time_budget_s is not None and spent > settings.time_budget_s:
-                    break
-                cells = close_call(_medians(times, again), alpha)
-                if not cells:
-                    break
-                if close_calls is not None:
-                    close_calls[bs] = cells
-                bar.total += 2 * len(cells)
-                for k in cells + cells[::-1]:
-                    (again[k] if k in again else times[k]).extend(visit(k, measured_steps))
-                    bar.update(1)
-            batch_stats[bs] = {k: round(ms, 3) for k, ms in _medians(times, again).items()}
-            if revisited is not None and again:
-                revisited[bs] = sorted(again)
-            for r in requests:
-                engine.abort(r.request_id)
+            batch_stats[bs] = time_row(i, bs, bar)
+        for _ in range(settings.revisits):
+            suspects = rows_out_of_line(batch_stats)
+            if not suspects:
+                break
+            for bs in suspects:
+                i = settings.batch_sizes.index(bs)
+                bar.total += len(ks) * _rounds(settings, i)
+                batch_stats[bs] = time_row(i, bs, bar)
+                if retimed is not None:
+                    retimed[bs] = retimed.get(bs, 0) + 1
     if timings is not None:
         timings.extend(run.timings)
     return batch_stats
@@ -473,9 +493,10 @@ def run_profile(
     lap("acceptance")
     revisited: dict[int, list[int]] = {}
     close_calls: dict[int, list[int]] = {}
+    retimed: dict[int, int] = {}
     contexts: list[float] = []
     batch_stats = measure_itl(
-        engine, prompts, settings, progress, timings, revisited, contexts, alpha, close_calls
+        engine, prompts, settings, progress, timings, revisited, contexts, alpha, close_calls, retimed
     )
     lap("grid")
     measure_catchup(engine, prompts, settings, timings)
@@ -518,6 +539,7 @@ def run_profile(
                 "revisited": {str(bs): ks for bs, ks in revisited.items()},
                 "close_rounds": settings.close_rounds,
                 "close_calls": {str(bs): ks for bs, ks in close_calls.items()},
+                "retimed": {str(bs): n for bs, n in retimed.items()},
                 "batch_sizes_measured": sorted(batch_stats),
                 "acceptance_prompts": settings.num_acceptance_prompts,
                 "acceptance_max_tokens": settings.acceptance_max_tokens,

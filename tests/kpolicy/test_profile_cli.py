@@ -327,6 +327,48 @@ def test_implausible_plain_steps_name_the_cells_a_loaded_machine_timed():
     assert implausible_plain_steps(grid({1: 1.0, 2: 9.0, 4: 2.0})) == []  # a tiny model's jitter, in ms
 
 
+def test_rows_out_of_line_name_the_row_both_neighbours_disagree_with_else_both():
+    from dynaspec.kpolicy.profile import rows_out_of_line
+
+    def grid(plain):
+        return {bs: {0: ms, 1: 2 * ms} for bs, ms in plain.items()}
+
+    # the suffix drafter's quick profile on the xeon: 24's plain step dearer than 16's allows and
+    # 32's cheaper than 24's allows; 24 is the row to time again, not its neighbours; timed again,
+    # 24 is still too dear for 16's 55.2 ms (16 was low: the n-gram profile of that day has 187)
+    assert rows_out_of_line(grid({16: 55.2, 24: 369.8, 32: 246.6})) == [24]
+    assert rows_out_of_line(grid({16: 55.2, 24: 210.0, 32: 246.6})) == [16, 24]  # 24 fixed, 16 still off
+    assert rows_out_of_line(grid(LOADED_GRIDS[1])) == [2]
+    assert rows_out_of_line(grid(LOADED_GRIDS[0])) == [1, 2]  # one pair: which one is wrong is unknown
+    assert all(rows_out_of_line(grid(g)) == [] for g in QUIET_GRIDS)
+
+
+def test_rows_out_of_line_are_timed_again_whole_and_recorded(target_dir, monkeypatch):
+    """A row ``rows_out_of_line`` names is timed afresh, all its Ks in its rounds, up to
+    ``revisits`` times; its figures are the new ones, and how often goes into ``retimed``."""
+    engine = make_engine(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    settings = ProfileSettings(
+        batch_sizes=[1, 2], max_k=2, warmup_steps=0, measured_steps=1, rounds=1, revisits=2
+    )
+    monkeypatch.setattr(profiler, "outlying_cells", lambda row: [])
+    seen = []
+
+    def out_of_line(stats):
+        seen.append({bs: dict(row) for bs, row in stats.items()})
+        return [2] if len(seen) == 1 else []  # the first check names 2, the second finds it fixed
+
+    monkeypatch.setattr(profiler, "rows_out_of_line", out_of_line)
+    timings, retimed = [], {}
+    stats = measure_itl(engine, PROMPTS, settings, progress=False, timings=timings, retimed=retimed)
+    assert retimed == {2: 1} and len(seen) == 2 and seen[1][1] == seen[0][1] == stats[1]
+    assert sorted(stats[2]) == [0, 1, 2]
+    assert sum(1 for t in timings if t.prefill_tokens == 0) == 3 + 3 + 3  # rows 1 and 2, then 2 again
+    monkeypatch.setattr(profiler, "rows_out_of_line", lambda stats: [1])  # never fixed: revisits bound it
+    retimed = {}
+    measure_itl(engine, PROMPTS, settings, progress=False, retimed=retimed)
+    assert retimed == {1: 2}
+
+
 def test_a_profile_timed_under_load_prices_its_run_but_is_not_cached(
     target_dir, tmp_path, monkeypatch, caplog
 ):
