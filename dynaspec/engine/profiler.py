@@ -244,7 +244,7 @@ def measure_itl(
         visits_at_most = (rounds + settings.revisits) * len(ks) + 4 * settings.close_rounds
         budget = visits_at_most * steps_per_visit * (settings.max_k + 1) + 8
         params = SamplingParams(max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0)
-        requests = [engine.add_request(prompts[i % len(prompts)], params) for i in range(bs)]
+        requests = [engine.add_request(prompts[j % len(prompts)], params) for j in range(bs)]
         with _fixed_k(engine, 0):
             while not all(r.is_decoding for r in requests):  # prefill everyone first
                 engine.step()

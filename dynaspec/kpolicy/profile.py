@@ -217,8 +217,8 @@ def rows_out_of_line(batch_stats: dict[int, dict[int, float]]) -> list[int]:
     """The batch sizes whose rows to time again, given the implausible pairs of plain steps: a
     batch size named by two pairs (its neighbours on both sides agree against it), else both of
     each pair's. A quick profile of the suffix drafter on the xeon timed ITL(24, 0) at 369.8 ms
-    between 16's 55.2 and 32's 246.6, with nothing else running (the VM's neighbours); timed
-    again, 24 alone would be named by 16 if 16 too was off."""
+    between 16's 55.2 and 32's 246.6, with nothing else running (the VM's neighbours): 24 is
+    named; timed again, if 16 too is off, the pair names both."""
     pairs = _implausible_pairs(batch_stats)
     named = collections.Counter(bs for a, b, _ in pairs for bs in (a, b))
     twice = sorted(bs for bs, n in named.items() if n >= 2)
