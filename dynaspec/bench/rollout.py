@@ -128,6 +128,9 @@ class _Traced:
     def min_draft_confidence(self) -> float:
         return self.inner.min_draft_confidence()
 
+    def free_rows(self) -> list[bool]:
+        return self.inner.free_rows()
+
     def snapshot(self) -> dict:
         return self.inner.snapshot()
 
@@ -137,7 +140,7 @@ def drafter_names(specs: list) -> list[str]:
     place among drafters of the same method)."""
     if len(specs) == 1:
         return [""]
-    methods = [s.method for s in specs]
+    methods = [s.label for s in specs]
     return [m if methods.count(m) == 1 else f"{m}#{methods[: i + 1].count(m)}" for i, m in enumerate(methods)]
 
 
@@ -279,7 +282,7 @@ def _at(finish: list[float], fraction: float) -> float:
 def run(args: argparse.Namespace) -> int:
     from dynaspec.datasets import load_prompts
     from dynaspec.engine.args import check_at_least, engine_kwargs
-    from dynaspec.engine.engine import AUTO, AUTO_MAX_K, Engine, EngineConfig
+    from dynaspec.engine.engine import AUTO, Engine, EngineConfig
     from dynaspec.engine.profiler import auto_profile
     from dynaspec.kpolicy.config import SpeculativeConfig
     from dynaspec.kpolicy.profile import load_profile
@@ -315,11 +318,7 @@ def run(args: argparse.Namespace) -> int:
     paths = [profile_path(args.profile, specs[0])] + [s.dynamic_config_path for s in specs[1:]]
     profiles = [load_profile(path) if path and path != AUTO else None for path in paths]
     deepest_k = [
-        known.max_num_speculative_tokens
-        if known
-        else (s.num_speculative_tokens or AUTO_MAX_K)
-        if path == AUTO
-        else 1
+        known.max_num_speculative_tokens if known else s.max_k if path == AUTO else 1
         for s, known, path in zip(specs, profiles, paths)
     ]
     max_k = max([*fixed_ks, *deepest_k])

@@ -152,7 +152,7 @@ def closed_loop(engine, prompts: list, concurrency: int, params) -> tuple[float,
 def run(args: argparse.Namespace) -> int:
     from dynaspec.datasets import load_prompts
     from dynaspec.engine.args import check_at_least, engine_kwargs
-    from dynaspec.engine.engine import AUTO, AUTO_MAX_K, Engine, EngineConfig
+    from dynaspec.engine.engine import AUTO, Engine, EngineConfig
     from dynaspec.engine.profiler import auto_profile, auto_profile_key, auto_profile_path
     from dynaspec.kpolicy.config import SpeculativeConfig
     from dynaspec.kpolicy.profile import load_profile
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     profile = None if path == AUTO else load_profile(path)
     concurrencies = _ints(args.concurrency, "--concurrency")
     fixed_ks = _ints(args.fixed_ks, "--fixed-ks")
-    profiled_k = profile.max_num_speculative_tokens if profile else spec.num_speculative_tokens or AUTO_MAX_K
+    profiled_k = profile.max_num_speculative_tokens if profile else spec.max_k
     max_k = max([*fixed_ks, profiled_k])
     prompts = load_prompts(args.dataset, chat=True)
     kwargs = engine_kwargs(args)

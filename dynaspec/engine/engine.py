@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 AUTO = "auto"  # dynamic_config_path: profile the engine on first use (engine/build.py), cached
-AUTO_MAX_K = 5  # the largest K an auto profile measures unless num_speculative_tokens says otherwise
 
 
 @dataclass(slots=True)
@@ -174,6 +173,7 @@ class Engine:
             config.max_num_batched_tokens,
             self.proposer.unseen_tokens,
             self.proposer.catchup_tokens,
+            self.proposer.free_rates,
         )
         self._recordings: list[Recording] = []  # open ``recording()`` blocks
         self.device = device
@@ -184,7 +184,7 @@ class Engine:
         # "auto": K fixed at the largest, and no step, until ``profile_auto`` installs the profiled policy
         self._profile_pending = spec is not None and spec.dynamic_config_path == AUTO
         if self._profile_pending:
-            self._k_policy = FixedK(spec.num_speculative_tokens or AUTO_MAX_K)
+            self._k_policy = FixedK(spec.max_k)
         elif spec is not None:
             self._k_policy = make_policy(spec)
 
@@ -196,7 +196,7 @@ class Engine:
         if not on:
             return {}
         spec = config.speculative_config
-        max_k = (spec.num_speculative_tokens or AUTO_MAX_K) if spec is not None else 0
+        max_k = spec.max_k if spec is not None else 0
         static = self.runner.enable_static(config.max_num_seqs, max_k + 1, self.max_model_len)
         if max_k:
             self.proposer.enable_static(config.max_num_seqs, max_k, self.max_model_len)

@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from dynaspec.datasets import load_prompts
-from dynaspec.engine.engine import AUTO_MAX_K, Engine
+from dynaspec.engine.engine import Engine
 from dynaspec.engine.kv_cache import fill_kv_noise
 from dynaspec.engine.types import DraftPass, StepTiming
 from dynaspec.kpolicy.config import SpeculativeConfig
@@ -645,7 +645,7 @@ def auto_profile_key(engine: Engine, spec: SpeculativeConfig) -> dict:
         "torch": torch.__version__,
         # the C++ operators' sources (their speed is the profile's prices), None where they do not build
         "kernels": kernel_digest() if kernel_error() is None else None,
-        "max_k": spec.num_speculative_tokens or AUTO_MAX_K,
+        "max_k": spec.max_k,
         "ngram": [spec.prompt_lookup_min, spec.prompt_lookup_max] if spec.method == "ngram" else None,
         # only when set, so that the profiles cached before the window existed keep their keys
         **({"draft_context_window": spec.context_window} if spec.context_window else {}),

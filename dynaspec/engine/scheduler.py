@@ -41,6 +41,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         unseen_tokens: Callable[[Request], int] = lambda request: 0,
         catchup_tokens: Callable[[int], int] = lambda context_tokens: context_tokens,
+        free_rates: Callable[[Request], tuple[float, ...]] = lambda request: (),
     ) -> None:
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
@@ -49,6 +50,9 @@ class Scheduler:
         self.unseen_tokens = unseen_tokens
         # what catching up on a new request's prompt of n tokens would make it read (its window)
         self.catchup_tokens = catchup_tokens
+        # a draft a decode may take at no drafter pass, its tokens' estimated probabilities (a
+        # suffix match beside a draft model; () for every other proposer)
+        self.free_rates = free_rates
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._released: list[str] = []
@@ -86,7 +90,7 @@ class Scheduler:
     def schedule(self, k_policy: KPolicy | None) -> SchedulePlan:
         """Plan one step; ``k_policy`` (None: no speculation) chooses K for the decodes."""
         decodes = [r for r in self.running if r.is_decoding]
-        chosen_k, wanted, min_confidence = 0, [0] * len(decodes), 0.0
+        chosen_k, wanted, min_confidence, free = 0, [0] * len(decodes), 0.0, []
         if k_policy is not None and decodes:
             pending = self._pending()
             load = self._load(decodes + pending)
@@ -97,6 +101,9 @@ class Scheduler:
             owed = [c.unseen_tokens for c in load[: len(decodes)]]  # the decodes come first
             wanted = fit_catchup(wanted, owed, self.max_num_batched_tokens)
             min_confidence = k_policy.min_draft_confidence()
+            if any(c.free_rates for c in load):
+                free = k_policy.free_rows()[: len(decodes)]
+        free_of = dict(zip((r.request_id for r in decodes), free))
         k_caps: dict[str, int] = {}
         for r, want in zip(list(decodes), wanted):
             if r.status is not RequestStatus.RUNNING:  # preempted to make room for an older one
@@ -136,6 +143,7 @@ class Scheduler:
             chosen_k=chosen_k,
             min_draft_confidence=min_confidence,
             released=released,
+            free_rows=[free_of.get(r.request_id, False) for r in decodes] if free_of else [],
         )
 
     def _pending(self) -> list[Request]:
@@ -156,6 +164,7 @@ class Scheduler:
                 decoding=r.is_decoding,
                 request_id=r.request_id,
                 context_tokens=r.num_tokens,
+                free_rates=self.free_rates(r) if r.is_decoding else (),
             )
             for r in load
         ]

@@ -40,6 +40,9 @@ class SchedulePlan:
     # below this (0: never); decided from the drafter's distribution, before its token is known
     min_draft_confidence: float = 0.0
     released: list[str] = field(default_factory=list)  # request ids preempted or finished since the last plan
+    # [num_decodes] or empty: which decodes draft from a match that costs no drafter pass (a draft
+    # model with suffix decoding: ``DraftCandidate.free_rates``), as the K policy chose
+    free_rows: list[bool] = field(default_factory=list)
 
     @property
     def k(self) -> int:
@@ -197,6 +200,9 @@ class DraftCandidate:
     )
     request_id: str = ""  # whose acceptance history applies (per-request K)
     context_tokens: int = 0  # its context (prompt and output so far): what its rows' attention reads
+    # a draft it may take at no drafter pass (a suffix match beside a draft model): the estimated
+    # probability of each of its tokens given the ones before; empty: none
+    free_rates: tuple[float, ...] = ()
 
     def catchup_owed(self) -> float:
         """Catch-up tokens the request still owes the drafter, per token it may still generate."""
@@ -219,6 +225,11 @@ class KPolicy(Protocol):
 
     def min_draft_confidence(self) -> float:
         """The drafter's top probability below which a decode stops drafting (0: never)."""
+        ...
+
+    def free_rows(self) -> list[bool]:
+        """Of the last choice's candidates, which draft their free match (``free_rates``); empty:
+        none."""
         ...
 
     def observe(self, record: StepRecord) -> None: ...

@@ -177,6 +177,15 @@ class ConfidenceCalibration:
         w = self.prior_weight
         return (self.accepted[b] + w * centre) / (self.reached[b] + w)
 
+    def expected(self, confidence: Sequence[float]) -> list[float]:
+        """Unconditional α_i of a draft whose tokens have these confidences: the product of the
+        acceptance of each bin up to i (a token is reached only if the ones before it are kept)."""
+        out, run = [], 1.0
+        for p in confidence:
+            run *= self.rate(min(self.BINS - 1, max(0, int(p * self.BINS))))
+            out.append(run)
+        return out
+
     def threshold(self, break_even: float) -> float:
         t = 0.0
         for b in range(self.BINS):

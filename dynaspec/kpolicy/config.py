@@ -31,6 +31,7 @@ DEFAULT_DRAFT_QUANTIZATION = "int4"
 # kernel; a head pass of the real target's head took 8.2 ms against 24.7 as stored (zen3, K=3, the
 # same drafts accepted)
 DEFAULT_HEAD_QUANTIZATION = "int8"
+AUTO_MAX_K = 5  # the largest K an auto profile measures unless num_speculative_tokens says otherwise
 SUFFIX_FIELDS = (
     "suffix_decoding_max_tree_depth",
     "suffix_decoding_max_cached_requests",
@@ -93,6 +94,26 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int | None = Field(default=None, ge=0)
     suffix_decoding_max_spec_factor: float | None = Field(default=None, gt=0.0)
     suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0.0, le=1.0)
+    # draft_model: suffix drafts too (Arctic Inference's option): a request whose own and sibling
+    # outputs hold a match drafts from it at no drafter pass where the goodput policy finds that
+    # pays, the draft model elsewhere (spec_decode/hybrid.py); the suffix_decoding_* options apply
+    enable_suffix_decoding: bool = False
+
+    @property
+    def max_k(self) -> int:
+        """The largest K: num_speculative_tokens, else what an auto profile measures."""
+        return self.num_speculative_tokens or AUTO_MAX_K
+
+    @property
+    def label(self) -> str:
+        """The drafter in a few words: its method, with "+suffix" for a draft model with suffix
+        decoding."""
+        return self.method + ("+suffix" if self.enable_suffix_decoding else "")
+
+    @property
+    def uses_suffix(self) -> bool:
+        """Whether suffix trees draft: method suffix, or a draft model with enable_suffix_decoding."""
+        return self.method == "suffix" or self.enable_suffix_decoding
 
     @property
     def suffix(self) -> SuffixSettings:
@@ -177,10 +198,17 @@ class SpeculativeConfig:
                     f"draft_quantization: an EAGLE head takes none, int8 or int4, "
                     f"not {self.draft_quantization!r}"
                 )
-        if self.method != "suffix":
+        if self.enable_suffix_decoding and self.method != "draft_model":
+            raise ValueError(
+                "enable_suffix_decoding: only applies to method draft_model "
+                '(method "suffix" drafts from suffix trees alone)'
+            )
+        if not self.uses_suffix:
             for name in SUFFIX_FIELDS:
                 if getattr(self, name) is not None:
-                    raise ValueError(f"{name}: only applies to method suffix")
+                    raise ValueError(
+                        f"{name}: only applies to method suffix, or draft_model with enable_suffix_decoding"
+                    )
         if self.num_speculative_tokens is None and self.dynamic_config_path is None:
             raise ValueError("num_speculative_tokens: required (an integer >= 1)")
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -67,26 +67,44 @@ def refine_drafts(
     rates: Sequence[Sequence[float]],
     charges: Sequence[float],
     caps: Sequence[int],
-    drafted_cost: Callable[[tuple[int, ...]], float],
+    drafted_cost: Callable[[tuple[int, ...], int], float],
     plain_ms: float,
     batch_size: int,
+    free: Sequence[bool] = (),
 ) -> list[int]:
     """Per-request K by local search on the step's expected goodput, from ``start`` (e.g. the best
     uniform K).
 
     Request i drafting k_i tokens adds its expected accepted tokens sum(rates[i][:k_i]); the
-    step's draft positions form layers, layer j holding the m_j requests with k_i > j, and
-    ``drafted_cost(m)`` is what the drafts add to a plain step in ms (drafter passes and verified
-    tokens) given m = (m_0, m_1, ...); a drafting request also pays ``charges[i]`` ms per token it
-    generates (drafter catch-up). Goodput is
+    step's draft positions form layers, layer j holding the m_j drafter rows with k_i > j, and
+    ``drafted_cost(m, f)`` is what the drafts add to a plain step in ms (drafter passes and
+    verified tokens) given m = (m_0, m_1, ...) and f, the draft tokens of the ``free`` requests,
+    which draft at no drafter pass (a suffix match: verified tokens only); a drafting request also
+    pays ``charges[i]`` ms per token it generates (drafter catch-up). Goodput is
 
-        (batch_size + sum_i sum(rates[i][:k_i])) / (plain_ms + drafted_cost(m) + catch-up)
+        (batch_size + sum_i sum(rates[i][:k_i])) / (plain_ms + drafted_cost(m, f) + catch-up)
 
     and each request's k_i (0..caps[i]) moves up or down by one while that raises it.
     """
+    return refine_with_goodput(start, rates, charges, caps, drafted_cost, plain_ms, batch_size, free)[0]
+
+
+def refine_with_goodput(
+    start: Sequence[int],
+    rates: Sequence[Sequence[float]],
+    charges: Sequence[float],
+    caps: Sequence[int],
+    drafted_cost: Callable[[tuple[int, ...], int], float],
+    plain_ms: float,
+    batch_size: int,
+    free: Sequence[bool] = (),
+) -> tuple[list[int], float]:
+    """``refine_drafts``, with the expected goodput of the drafts it returns (tokens per ms)."""
+    free = list(free) or [False] * len(start)
     ks = [min(k, cap) for k, cap in zip(start, caps)]
     max_k = max(caps, default=0)
-    m = [sum(k > j for k in ks) for j in range(max_k)]
+    m = [sum(k > j for k, f in zip(ks, free) if not f) for j in range(max_k)]
+    f_tokens = sum(k for k, f in zip(ks, free) if f)
 
     cumulative = [list(itertools.accumulate(r, initial=0.0)) for r in rates]
 
@@ -96,13 +114,37 @@ def refine_drafts(
     def charge_of(i: int, k: int) -> float:
         return charges[i] * (1.0 + tokens_of(i, k)) if k else 0.0
 
-    def drafted(layers: list[int]) -> float:
-        return drafted_cost(tuple(c for c in layers if c)) if any(layers) else 0.0
+    def drafted(layers: list[int], f: int) -> float:
+        return drafted_cost(tuple(c for c in layers if c), f) if any(layers) or f else 0.0
 
     tokens = batch_size + sum(tokens_of(i, k) for i, k in enumerate(ks))
-    time = plain_ms + drafted(m) + sum(charge_of(i, k) for i, k in enumerate(ks))
+    time = plain_ms + drafted(m, f_tokens) + sum(charge_of(i, k) for i, k in enumerate(ks))
     if time <= 0:
-        return ks
+        return ks, 0.0
+    for _ in range(2 * max_k + 2):
+        improved = False
+        for i in range(len(ks)):
+            for new in (ks[i] + 1, ks[i] - 1):
+                if not 0 <= new <= caps[i]:
+                    continue
+                step = 1 if new > ks[i] else -1
+                moved, f_moved = m, f_tokens + step
+                if not free[i]:
+                    j = min(new, ks[i])  # the layer the request joins or leaves
+                    moved, f_moved = m[:j] + [m[j] + step] + m[j + 1 :], f_tokens
+                d_time = (
+                    drafted(moved, f_moved) - drafted(m, f_tokens) + charge_of(i, new) - charge_of(i, ks[i])
+                )
+                d_tokens = tokens_of(i, new) - tokens_of(i, ks[i])
+                if time + d_time > 0 and (tokens + d_tokens) / (time + d_time) > tokens / time * (1 + 1e-9):
+                    tokens, time = tokens + d_tokens, time + d_time
+                    m, f_tokens = moved, f_moved
+                    ks[i] = new
+                    improved = True
+                    break
+        if not improved:
+            break
+    return ks, tokens / time
     for _ in range(2 * max_k + 2):
         improved = False
         for i in range(len(ks)):
@@ -122,7 +164,7 @@ def refine_drafts(
                     break
         if not improved:
             break
-    return ks
+    return ks, tokens / time
 
 
 class GoodputK:
@@ -213,6 +255,9 @@ class GoodputK:
         self.requests = RequestAcceptance()
         self.fixed_confidence = min_confidence
         self.calibration = ConfidenceCalibration()
+        # acceptance of free matches' tokens by their frequency (a draft model with suffix decoding)
+        self.match_calibration = ConfidenceCalibration()
+        self._free: list[bool] = []  # the last choice's candidates that take their free match
         self.load = 0  # the load of the last choice (for the confidence stop's break-even)
         self.explore_below = explore_below
         self.num_probes = 0  # steps where one request drafted only to measure acceptance
@@ -249,7 +294,8 @@ class GoodputK:
         K cut to what it may still draft); any other load, a probe, or the last kept step decides
         afresh."""
         load = tuple((c.request_id, c.prompt_tokens, c.max_tokens) for c in candidates)
-        steady = all(c.decoding and c.unseen_tokens <= 1 for c in candidates)
+        # (free matches change every step: a load offering any is decided afresh)
+        steady = all(c.decoding and c.unseen_tokens <= 1 and not c.free_rates for c in candidates)
         kept = self._kept
         if steady and kept is not None and kept[0] == load and kept[2] < self.redecide_every:
             drafts = [min(d, max(0, c.tokens_left - 1)) for d, c in zip(kept[1], candidates)]
@@ -298,16 +344,12 @@ class GoodputK:
             drafts[i] = k if candidates[i].decoding else 0
         # what each request may draft: decoding ones, up to one token fewer than they have left
         caps = [min(self.max_k, max(0, c.tokens_left - 1)) if c.decoding else 0 for c in candidates]
+        self._free = []
         if self.per_request and self.max_k and plain and bs <= PER_REQUEST_UP_TO:
-            drafts = refine_drafts(
-                drafts,
-                [self.requests.rates(c.request_id, alpha) for c in candidates],
-                cost,
-                caps,
-                drafted_cost,
-                plain,
-                bs,
-            )
+            rates = [self.requests.rates(c.request_id, alpha) for c in candidates]
+            drafts, best = refine_with_goodput(drafts, rates, cost, caps, drafted_cost, plain, bs)
+            if any(c.free_rates for c in candidates):
+                drafts = self._take_matches(candidates, drafts, best, rates, cost, caps, drafted_cost, plain)
             k = max(drafts)
         num_decoding = sum(c.decoding for c in candidates)
         self.num_withheld += num_decoding - sum(d > 0 for d in drafts) if k else 0
@@ -320,24 +362,66 @@ class GoodputK:
                 self.num_probes += 1
         return k, drafts
 
-    def drafted_cost(self, bs: int, layers: tuple[int, ...]) -> float:
+    def _take_matches(
+        self,
+        candidates: Sequence[DraftCandidate],
+        drafts: list[int],
+        best: float,
+        rates: list[list[float]],
+        cost: list[float],
+        caps: list[int],
+        drafted_cost: Callable[[tuple[int, ...], int], float],
+        plain: float,
+    ) -> list[int]:
+        """Which requests take their free match (``DraftCandidate.free_rates``: no drafter pass, no
+        catch-up) and their drafts: each match's rates from how often the target kept matched
+        tokens of its frequency (``match_calibration``), the other requests' from the drafter.
+        Three ways are searched from ``drafts`` (the drafter's alone, of goodput ``best``): every
+        match taken, and the matches that expect at least the drafter's tokens over as many
+        positions; the best of the three is kept (``free_rows``)."""
+        bs = len(candidates)
+        matched = [self.match_calibration.expected(c.free_rates[: caps[i]]) for i, c in enumerate(candidates)]
+        at_least = [bool(m) and sum(m) >= sum(rates[i][: len(m)]) for i, m in enumerate(matched)]
+        every = [bool(m) for m in matched]
+        for free in (every, at_least) if at_least != every else (every,):
+            if not any(free):
+                continue
+            ks, goodput = refine_with_goodput(
+                [min(d, len(m)) if f else d for d, f, m in zip(drafts, free, matched)],
+                [m if f else r for f, m, r in zip(free, matched, rates)],
+                [0.0 if f else c for f, c in zip(free, cost)],
+                [len(m) if f else cap for f, m, cap in zip(free, matched, caps)],
+                drafted_cost,
+                plain,
+                bs,
+                free,
+            )
+            if goodput > best * (1 + 1e-9):
+                drafts, best, self._free = ks, goodput, free
+        return drafts
+
+    def free_rows(self) -> list[bool]:
+        return self._free
+
+    def drafted_cost(self, bs: int, layers: tuple[int, ...], free_tokens: int = 0) -> float:
         """What drafts add to a plain step of ``bs`` requests, ``layers[j]`` of them drafting
-        position j: the target's share of ITL(bs, K) at K = (drafted tokens) / bs, read between
+        position j from the drafter and ``free_tokens`` more drafted at no drafter pass (suffix
+        matches): the target's share of ITL(bs, K) at K = (drafted tokens) / bs, read between
         the grid's columns (a step's cost follows the rows it verifies, and the grid's row at this
         bs has them at this bs's prices: on this CPU whole 16-row blocks), less that K's drafter
         passes over bs rows, plus the drafter passes actually run, one per layer of its rows
         (``StepCostModel.draft_pass_ms``: none for n-gram)."""
-        return self._drafted_pricer(bs)(layers)
+        return self._drafted_pricer(bs)(layers, free_tokens)
 
-    def _drafted_pricer(self, bs: int) -> Callable[[tuple[int, ...]], float]:
+    def _drafted_pricer(self, bs: int) -> Callable[[tuple[int, ...], int], float]:
         """``drafted_cost`` at one load, memoized: the grid's row at bs and the drafter's passes
         read once, for the many sets of layers one choice prices."""
         row = [self.itl(bs, k) for k in range(self.max_k + 1)] if bs > 0 else []
         draft_pass = functools.cache(self._pass_pricer(bs, row))
 
         @functools.cache
-        def cost(layers: tuple[int, ...]) -> float:
-            drafted = sum(layers)
+        def cost(layers: tuple[int, ...], free_tokens: int = 0) -> float:
+            drafted = sum(layers) + free_tokens
             if not drafted or bs <= 0:
                 return 0.0
             k = min(drafted / bs, float(self.max_k))
@@ -400,12 +484,20 @@ class GoodputK:
         result = record.result
         self.requests.release(record.plan.released)
         if result.draft_lens:
-            lens = asked_positions(record)
-            self.acceptance.observe(lens, result.num_accepted)
+            lens, accepted = asked_positions(record), result.num_accepted
             ids = [r.request_id for r in record.plan.decodes]
-            self.requests.observe(ids, lens, result.num_accepted)
-            if record.draft_confidence is not None:
-                self.calibration.observe(record.draft_confidence, result.draft_lens, result.num_accepted)
+            confidence, draft_lens = record.draft_confidence, result.draft_lens
+            free = record.plan.free_rows
+            if any(free):  # matches' rows teach their calibration, the drafter's rows the rest
+                if confidence is not None:
+                    self.match_calibration.observe(*_rows(free, confidence, draft_lens, accepted))
+                drafter = [not f for f in free]
+                lens, ids, accepted, draft_lens = _rows(drafter, lens, ids, accepted, draft_lens)
+                confidence = None if confidence is None else _rows(drafter, confidence)[0]
+            self.acceptance.observe(lens, accepted)
+            self.requests.observe(ids, lens, accepted)
+            if confidence is not None:
+                self.calibration.observe(confidence, draft_lens, accepted)
         self.costs.observe(record.timing)
         timing = record.timing
         self._step_ms = timing.target_ms + sum(p[2] for p in timing.draft_passes)  # DraftPass.ms
@@ -422,6 +514,7 @@ class GoodputK:
             "choices_kept": self.num_reused,
             "min_draft_confidence": round(self.min_draft_confidence(), 3),
             "acceptance_by_confidence": self.calibration.snapshot(),
+            "match_acceptance_by_frequency": self.match_calibration.snapshot(),
             "cost_model": self.costs.snapshot(),
             "context_tokens": None if self.context is None else round(self.context, 1),
             "context_cost": None
@@ -432,6 +525,11 @@ class GoodputK:
                 "ms_per_row_per_draft_per_1k_tokens": self.context_cost.per_draft,
             },
         }
+
+
+def _rows(keep: Sequence[bool], *columns: Sequence) -> list[list]:
+    """Each column cut to the rows ``keep`` marks."""
+    return [[v for v, k in zip(column, keep) if k] for column in columns]
 
 
 def asked_positions(record: StepRecord) -> list[int]:

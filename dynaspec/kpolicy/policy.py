@@ -41,6 +41,9 @@ class _SameKForAll:
     def min_draft_confidence(self) -> float:
         return self.min_confidence
 
+    def free_rows(self) -> list[bool]:
+        return []  # every decode drafts from the drafter
+
 
 class FixedK(_SameKForAll):
     def __init__(self, k: int, min_confidence: float = 0.0) -> None:

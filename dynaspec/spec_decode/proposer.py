@@ -72,6 +72,13 @@ class Proposer:
         (a new request's prompt)."""
         return 0
 
+    def free_rates(self, request: Request) -> tuple[float, ...]:
+        """A draft it could give ``request`` this step at no drafter pass (a suffix match beside
+        a draft model): each token's estimated probability given the ones before; () where it has
+        none, the default. Asked for each decode before the K policy chooses; the draft, where the
+        policy takes it (``SchedulePlan.free_rows``), is the one ``propose`` returns."""
+        return ()
+
     def hidden_layers(self) -> tuple[int, ...]:
         """The target layers whose entering hidden states it reads (``num_hidden_layers``: the
         final norm's output); empty, the default, and the target computes none."""
@@ -139,5 +146,9 @@ def make_proposer(spec_config: SpeculativeConfig | None, ctx: ProposerContext) -
     import dynaspec.spec_decode.eagle
     import dynaspec.spec_decode.ngram
     import dynaspec.spec_decode.suffix  # noqa: F401  each registers its method
+    from dynaspec.spec_decode.hybrid import HybridProposer
 
-    return PROPOSERS[spec_config.method](spec_config, ctx)
+    proposer = PROPOSERS[spec_config.method](spec_config, ctx)
+    if spec_config.enable_suffix_decoding:
+        return HybridProposer(proposer, PROPOSERS["suffix"](spec_config, ctx), spec_config.max_k)
+    return proposer

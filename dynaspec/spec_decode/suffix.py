@@ -19,7 +19,7 @@ from dynaspec.engine.request import RequestStatus
 from dynaspec.engine.sampler import SamplingTensors
 from dynaspec.engine.types import DraftPass, Drafts, SchedulePlan
 from dynaspec.spec_decode.proposer import Proposer, ProposerContext, register_proposer
-from dynaspec.spec_decode.suffix_tree import SuffixIndex
+from dynaspec.spec_decode.suffix_tree import Speculation, SuffixIndex
 
 if TYPE_CHECKING:
     from dynaspec.engine.request import Request
@@ -51,7 +51,7 @@ class SuffixProposer(Proposer):
         rows: list[list[int]] = []
         confidence: list[list[float]] = []
         for r, cap in zip(plan.decodes, plan.k_caps):
-            spec = self.index.speculate(r.request_id, cap, self.max_spec_factor, self.min_token_prob)
+            spec = self.speculate(r, cap)
             keep = next(
                 (j for j, p in enumerate(spec.probs) if p < plan.min_draft_confidence), len(spec.probs)
             )
@@ -69,6 +69,12 @@ class SuffixProposer(Proposer):
         # model's shape: a step's drafting costs K passes)
         passes = [DraftPass(sum(cap > j for cap in plan.k_caps), 0, ms / plan.k) for j in range(plan.k)]
         return Drafts(tokens.to(self.ctx.device), [len(r) for r in rows], passes, confidence)
+
+    def speculate(self, r: Request, max_tokens: int) -> Speculation:
+        """Up to ``max_tokens`` draft tokens for ``r`` from its best match, the index brought up to
+        date with its tokens first."""
+        self._follow(r)
+        return self.index.speculate(r.request_id, max_tokens, self.max_spec_factor, self.min_token_prob)
 
     def _follow(self, r: Request) -> None:
         """Bring the index up to date with the request's tokens (added on first sight)."""

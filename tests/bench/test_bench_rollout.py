@@ -132,14 +132,18 @@ def test_drafters_run_side_by_side_each_with_its_own_profile(tmp_path, target_di
 
 
 def test_config_names_of_several_drafters_and_which_are_fixed():
-    from types import SimpleNamespace
-
     from dynaspec.bench.rollout import drafter_names, is_fixed
+    from dynaspec.kpolicy.config import SpeculativeConfig
 
-    one = [SimpleNamespace(method="suffix")]
-    assert drafter_names(one) == [""]
-    three = [SimpleNamespace(method=m) for m in ("suffix", "draft_model", "draft_model")]
+    def spec(method, **kw):
+        model = {"model": "x"} if method == "draft_model" else {}
+        return SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 3} | model | kw)
+
+    assert drafter_names([spec("suffix")]) == [""]
+    three = [spec("suffix"), spec("draft_model"), spec("draft_model")]
     assert drafter_names(three) == ["suffix", "draft_model#1", "draft_model#2"]
+    both = [spec("draft_model"), spec("draft_model", enable_suffix_decoding=True)]
+    assert drafter_names(both) == ["draft_model", "draft_model+suffix"]
     assert [is_fixed(c) for c in ("none", "K=2", "ngram K=5 w=64", "per-request", "suffix table")] == [
         True,
         True,

@@ -343,8 +343,8 @@ def test_refine_drafts_gives_k_to_the_requests_that_accept():
 
     good, poor = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.02]
 
-    def drafted(m):
-        return sum(layer(c, j) for j, c in enumerate(m) if c)
+    def drafted(m, free=0):  # a free request's draft tokens are verified only: 4 ms each
+        return sum(layer(c, j) for j, c in enumerate(m) if c) + 4.0 * free
 
     def goodput(ks, rates):
         m = [sum(k > j for k in ks) for j in range(4)]
@@ -360,6 +360,10 @@ def test_refine_drafts_gives_k_to_the_requests_that_accept():
     assert refine_drafts([4, 4], [good, good], [0.0, 0.0], [1, 0], drafted, 50.0, 2) == [1, 0]
     assert refine_drafts([0, 0], [good, good], [0.0, 1e6], [4, 4], drafted, 50.0, 2)[1] == 0
     assert refine_drafts([], [], [], [], drafted, 50.0, 0) == []
+    # a request with a free draft (a suffix match) pays no drafter pass: it drafts all of a good
+    # one where the same rates through the drafter pay for fewer
+    through_drafter = refine_drafts([0], [good], [0.0], [4], drafted, 20.0, 1)
+    assert refine_drafts([0], [good], [0.0], [4], drafted, 20.0, 1, free=[True]) == [4] != through_drafter
 
 
 def test_drafts_are_priced_at_the_whole_loads_row_of_the_grid():
