@@ -95,14 +95,15 @@ class Scheduler:
             pending = self._pending()
             load = self._load(decodes + pending)
             chosen_k, wanted = k_policy.choose(load)
+            if any(c.free_rates for c in load):  # the decodes that take their match (none: [])
+                free = k_policy.free_rows()[: len(decodes)]
             wanted = [min(w, max(0, r.tokens_left - 1)) for r, w in zip(decodes, wanted)]  # room to grow
             backlog = sum(r.num_tokens - r.num_computed_tokens for r in pending)  # prompt tokens to prefill
             wanted = fit_drafts(wanted, self.max_num_batched_tokens - len(decodes) - backlog)
-            owed = [c.unseen_tokens for c in load[: len(decodes)]]  # the decodes come first
+            # the decodes come first; one drafting its match feeds the drafter nothing
+            owed = [0 if f else c.unseen_tokens for c, f in itertools.zip_longest(load[: len(decodes)], free)]
             wanted = fit_catchup(wanted, owed, self.max_num_batched_tokens)
             min_confidence = k_policy.min_draft_confidence()
-            if any(c.free_rates for c in load):
-                free = k_policy.free_rows()[: len(decodes)]
         free_of = dict(zip((r.request_id for r in decodes), free))
         k_caps: dict[str, int] = {}
         for r, want in zip(list(decodes), wanted):

@@ -96,15 +96,19 @@ SIBLINGS = [PROMPTS[0]] * 3 + [PROMPTS[3]] + [PROMPTS[0]]  # n samples of one pr
 
 
 class HalfFree:
-    """Every decode drafts K; those with a match take it on alternate rows and steps."""
+    """Every decode drafts K; those with a match take it on alternate rows and steps (or always)."""
 
-    def __init__(self, k: int) -> None:
-        self.k, self.steps, self._free = k, 0, []
+    def __init__(self, k: int, always: bool = False) -> None:
+        self.k, self.steps, self._free, self.always = k, 0, [], always
         self.sources: list[tuple[bool, int]] = []  # (took its match, drafts verified) per row
+        self.matched_rows: list[int] = []  # per step: rows that drafted their match
 
     def choose(self, candidates):
         self.steps += 1
-        self._free = [bool(c.free_rates) and (i + self.steps) % 2 == 0 for i, c in enumerate(candidates)]
+        self._free = [
+            bool(c.free_rates) and (self.always or (i + self.steps) % 2 == 0)
+            for i, c in enumerate(candidates)
+        ]
         drafts = [self.k if c.decoding else 0 for c in candidates]
         return max(drafts, default=0), drafts
 
@@ -117,12 +121,13 @@ class HalfFree:
     def observe(self, record):
         free = record.plan.free_rows or [False] * record.plan.num_decodes
         self.sources += list(zip(free, record.result.draft_lens))
+        self.matched_rows.append(sum(f and n > 0 for f, n in zip(free, record.result.draft_lens)))
 
     def snapshot(self):
         return {"policy": "half-free"}
 
 
-def hybrid_engine(target_dir, k):
+def hybrid_engine(target_dir, k, **kw):
     """The target drafts for itself (its drafts are kept), with suffix matches beside it."""
     spec = {
         "method": "draft_model",
@@ -130,7 +135,7 @@ def hybrid_engine(target_dir, k):
         "num_speculative_tokens": k,
         "enable_suffix_decoding": True,
     }
-    return make_engine(target_dir, speculative_config=spec)
+    return make_engine(target_dir, speculative_config=spec, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +196,16 @@ def test_goodput_takes_matches_on_the_tiny_pair_and_stays_lossless(tmp_path, tar
     assert first == again == [plain[0]] * 3 + [plain[3], plain[0]]
     sources = engine.stats()["spec"]["proposer"]["sources"]
     assert sources["suffix"]["rows"] > 0 and sources["suffix"]["accepted"] > 0
+
+
+def test_rows_drafting_their_match_owe_the_drafter_no_catch_up(target_dir, plain):
+    """A step's catch-up room (the target's token budget) holds back drafter rows that have not
+    read their prompts, but not rows that draft their match: the drafter has read nothing of any
+    of the second epoch's requests, and they all draft in one step."""
+    engine = hybrid_engine(target_dir, 3, max_num_batched_tokens=24)
+    rule = HalfFree(3, always=True)
+    engine.set_k_policy(rule)
+    assert run_staggered(engine, SIBLINGS[:3], arrive_every=100) == [plain[0]] * 3  # the cache fills
+    rule.matched_rows.clear()
+    assert run_staggered(engine, SIBLINGS[:3], arrive_every=1) == [plain[0]] * 3
+    assert max(rule.matched_rows) == 3
