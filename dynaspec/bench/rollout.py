@@ -168,6 +168,7 @@ def rollout(engine, prompts: list, params: list) -> dict:
     series = []  # (seconds since start, running requests, K chosen, tokens generated so far)
     policy = engine.k_policy
     generated = engine.counters.num_generated_tokens
+    sources = _sources(engine)
     with engine.recording() as run:
         while engine.has_unfinished():
             running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
@@ -179,13 +180,25 @@ def rollout(engine, prompts: list, params: list) -> dict:
     tokens = sum(len(r.output_token_ids) for r in requests)
     alpha = run.spec.acceptance_rate_per_pos
     text = hashlib.sha1(repr([r.output_token_ids for r in requests]).encode()).hexdigest()[:16]
-    return {
+    out = {
         "finish": sorted(finish),
         "series": series,
         "tokens": tokens,
         "acceptance_per_pos": alpha,
         "text": text,
     }
+    if sources:  # a draft model with suffix matches: this run's rows, drafts and accepted per source
+        after = _sources(engine)
+        out["sources"] = {
+            src: {key: after[src][key] - sources[src][key] for key in sources[src]}
+            for src in ("suffix", "model")
+        }
+    return out
+
+
+def _sources(engine) -> dict | None:
+    """The proposer's drafting by source so far (a draft model with suffix matches), else None."""
+    return engine.proposer.stats().get("sources")
 
 
 def spread_of(values: list[float]) -> float:
@@ -421,6 +434,7 @@ def run(args: argparse.Namespace) -> int:
                         "series": r["series"],
                         "text": r["text"],
                         "acceptance_per_pos": [round(a, 4) for a in r["acceptance_per_pos"] or []],
+                        **({"sources": r["sources"]} if "sources" in r else {}),
                     }
                     for r in runs
                 ],
