@@ -71,7 +71,7 @@ def refine_drafts(
     plain_ms: float,
     batch_size: int,
     free: Sequence[bool] = (),
-) -> list[int]:
+) -> tuple[list[int], float]:
     """Per-request K by local search on the step's expected goodput, from ``start`` (e.g. the best
     uniform K).
 
@@ -84,22 +84,9 @@ def refine_drafts(
 
         (batch_size + sum_i sum(rates[i][:k_i])) / (plain_ms + drafted_cost(m, f) + catch-up)
 
-    and each request's k_i (0..caps[i]) moves up or down by one while that raises it.
+    and each request's k_i (0..caps[i]) moves up or down by one while that raises it. Returns the
+    k_i and that goodput (tokens per ms).
     """
-    return refine_with_goodput(start, rates, charges, caps, drafted_cost, plain_ms, batch_size, free)[0]
-
-
-def refine_with_goodput(
-    start: Sequence[int],
-    rates: Sequence[Sequence[float]],
-    charges: Sequence[float],
-    caps: Sequence[int],
-    drafted_cost: Callable[[tuple[int, ...], int], float],
-    plain_ms: float,
-    batch_size: int,
-    free: Sequence[bool] = (),
-) -> tuple[list[int], float]:
-    """``refine_drafts``, with the expected goodput of the drafts it returns (tokens per ms)."""
     free = list(free) or [False] * len(start)
     ks = [min(k, cap) for k, cap in zip(start, caps)]
     max_k = max(caps, default=0)
@@ -347,7 +334,7 @@ class GoodputK:
         self._free = []
         if self.per_request and self.max_k and plain and bs <= PER_REQUEST_UP_TO:
             rates = [self.requests.rates(c.request_id, alpha) for c in candidates]
-            drafts, best = refine_with_goodput(drafts, rates, cost, caps, drafted_cost, plain, bs)
+            drafts, best = refine_drafts(drafts, rates, cost, caps, drafted_cost, plain, bs)
             if any(c.free_rates for c in candidates):
                 drafts = self._take_matches(candidates, drafts, best, rates, cost, caps, drafted_cost, plain)
             k = max(drafts)
@@ -386,7 +373,7 @@ class GoodputK:
         for free in (every, at_least) if at_least != every else (every,):
             if not any(free):
                 continue
-            ks, goodput = refine_with_goodput(
+            ks, goodput = refine_drafts(
                 [min(d, len(m)) if f else d for d, f, m in zip(drafts, free, matched)],
                 [m if f else r for f, m, r in zip(free, matched, rates)],
                 [0.0 if f else c for f, c in zip(free, cost)],

@@ -353,17 +353,17 @@ def test_refine_drafts_gives_k_to_the_requests_that_accept():
 
     rates = [good, poor, good, poor]
     start = [2, 2, 2, 2]  # a uniform K
-    ks = refine_drafts(start, rates, [0.0] * 4, [4] * 4, drafted, 50.0, 4)
+    ks, expected = refine_drafts(start, rates, [0.0] * 4, [4] * 4, drafted, 50.0, 4)
     assert ks[0] > ks[1] and ks[2] > ks[3]
-    assert goodput(ks, rates) > goodput(start, rates)
+    assert goodput(ks, rates) > goodput(start, rates) and expected == pytest.approx(goodput(ks, rates))
     # caps hold (tokens left, prefilling requests), charges withhold a request, empty is fine
-    assert refine_drafts([4, 4], [good, good], [0.0, 0.0], [1, 0], drafted, 50.0, 2) == [1, 0]
-    assert refine_drafts([0, 0], [good, good], [0.0, 1e6], [4, 4], drafted, 50.0, 2)[1] == 0
-    assert refine_drafts([], [], [], [], drafted, 50.0, 0) == []
+    assert refine_drafts([4, 4], [good, good], [0.0, 0.0], [1, 0], drafted, 50.0, 2)[0] == [1, 0]
+    assert refine_drafts([0, 0], [good, good], [0.0, 1e6], [4, 4], drafted, 50.0, 2)[0][1] == 0
+    assert refine_drafts([], [], [], [], drafted, 50.0, 0)[0] == []
     # a request with a free draft (a suffix match) pays no drafter pass: it drafts all of a good
     # one where the same rates through the drafter pay for fewer
-    through_drafter = refine_drafts([0], [good], [0.0], [4], drafted, 20.0, 1)
-    assert refine_drafts([0], [good], [0.0], [4], drafted, 20.0, 1, free=[True]) == [4] != through_drafter
+    through_drafter = refine_drafts([0], [good], [0.0], [4], drafted, 20.0, 1)[0]
+    assert refine_drafts([0], [good], [0.0], [4], drafted, 20.0, 1, free=[True])[0] == [4] != through_drafter
 
 
 def test_drafts_are_priced_at_the_whole_loads_row_of_the_grid():
