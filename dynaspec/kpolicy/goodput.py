@@ -132,26 +132,6 @@ def refine_drafts(
         if not improved:
             break
     return ks, tokens / time
-    for _ in range(2 * max_k + 2):
-        improved = False
-        for i in range(len(ks)):
-            for new in (ks[i] + 1, ks[i] - 1):
-                if not 0 <= new <= caps[i]:
-                    continue
-                j = min(new, ks[i])  # the layer the request joins or leaves
-                step = 1 if new > ks[i] else -1
-                moved = m[:j] + [m[j] + step] + m[j + 1 :]
-                d_time = drafted(moved) - drafted(m) + charge_of(i, new) - charge_of(i, ks[i])
-                d_tokens = tokens_of(i, new) - tokens_of(i, ks[i])
-                if time + d_time > 0 and (tokens + d_tokens) / (time + d_time) > tokens / time * (1 + 1e-9):
-                    tokens, time = tokens + d_tokens, time + d_time
-                    m = moved
-                    ks[i] = new
-                    improved = True
-                    break
-        if not improved:
-            break
-    return ks, tokens / time
 
 
 class GoodputK:
