@@ -168,9 +168,12 @@ class ConfidenceCalibration:
         self.accepted = [a * self.decay for a in self.accepted]
         for row, n, acc in zip(confidence, draft_lens, num_accepted):
             for j, p in enumerate(row[: min(n, acc + 1)]):  # positions verification reached
-                b = min(self.BINS - 1, max(0, int(p * self.BINS)))
+                b = self._bin(p)
                 self.reached[b] += 1
                 self.accepted[b] += j < acc
+
+    def _bin(self, confidence: float) -> int:
+        return min(self.BINS - 1, max(0, int(confidence * self.BINS)))
 
     def rate(self, b: int) -> float:
         centre = (b + 0.5) / self.BINS
@@ -182,7 +185,7 @@ class ConfidenceCalibration:
         acceptance of each bin up to i (a token is reached only if the ones before it are kept)."""
         out, run = [], 1.0
         for p in confidence:
-            run *= self.rate(min(self.BINS - 1, max(0, int(p * self.BINS))))
+            run *= self.rate(self._bin(p))
             out.append(run)
         return out
 

@@ -74,8 +74,7 @@ class HybridProposer(Proposer):
     def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
         free = plan.free_rows or [False] * plan.num_decodes
         if plan.k == 0 or not any(free):
-            self._counts.match_ms += self._match_ms
-            self._match_ms, self._matches = 0.0, {}
+            self._end_step(0.0)
             return self.model.propose(plan, sampling)
         model_caps = [0 if f else cap for f, cap in zip(free, plan.k_caps)]
         drafted = self.model.propose(dataclasses.replace(plan, k_caps=model_caps), sampling)
@@ -93,14 +92,20 @@ class HybridProposer(Proposer):
                 tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             lens[i] = len(row)
             confidence[i] = spec.probs[: len(row)]
-        ms = self._match_ms + (time.perf_counter() - start) * 1e3
-        self._counts.match_ms += ms
-        self._match_ms, self._matches = 0.0, {}
+        ms = self._end_step((time.perf_counter() - start) * 1e3)
         passes = list(drafted.passes)
         if passes:  # the matches' host time goes with the drafter's first pass of the step
             first = passes[0]
             passes[0] = DraftPass(first.rows, first.extra_tokens, first.ms + ms)
         return Drafts(tokens, lens, passes, confidence)
+
+    def _end_step(self, drafting_ms: float) -> float:
+        """The step's matches' host time (offered, plus ``drafting_ms`` spent drafting them),
+        counted; the offered matches are forgotten."""
+        ms = self._match_ms + drafting_ms
+        self._counts.match_ms += ms
+        self._match_ms, self._matches = 0.0, {}
+        return ms
 
     def commit(self, plan: SchedulePlan, result: StepResult) -> None:
         self.model.commit(plan, result)
