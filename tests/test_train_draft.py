@@ -5,19 +5,15 @@ import json
 
 import pytest
 import torch
+from support.eagle import target_config
 from support.engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggered
 
 from dynaspec import SamplingParams
 from dynaspec.cli import main
 from dynaspec.engine.kv_cache import allocate_kv_cache
 from dynaspec.models.attention import build_attention_metadata
-from dynaspec.models.config import ModelConfig
 from dynaspec.spec_decode.eagle_head import load_eagle_head
 from dynaspec.train import eagle3
-
-
-def target_config(target_dir) -> ModelConfig:
-    return ModelConfig.from_hf_dict(json.loads((target_dir / "config.json").read_text()))
 
 
 def test_the_trained_forward_is_the_engines_head_after_a_round_trip(target_dir, tmp_path):

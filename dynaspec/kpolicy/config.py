@@ -18,6 +18,7 @@ from pydantic.dataclasses import dataclass
 METHODS = ("draft_model", "ngram", "suffix", "eagle", "eagle3")
 # methods whose drafter is a head reading the target's hidden states; `model` names its checkpoint
 EAGLE_METHODS = ("eagle", "eagle3")
+MODEL_DRAFTERS = ("draft_model", *EAGLE_METHODS)  # drafters that run passes: suffix drafts may join them
 TABLE = "num_speculative_tokens_per_batch_size"
 SYNTHETIC = "synthetic_acceptance_rate"
 # a draft model's window when the config names none: acceptance on long code outputs 0.788 against
@@ -94,9 +95,10 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int | None = Field(default=None, ge=0)
     suffix_decoding_max_spec_factor: float | None = Field(default=None, gt=0.0)
     suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0.0, le=1.0)
-    # draft_model: suffix drafts too (Arctic Inference's option): a request whose own and sibling
-    # outputs hold a match drafts from it at no drafter pass where the goodput policy finds that
-    # pays, the draft model elsewhere (spec_decode/hybrid.py); the suffix_decoding_* options apply
+    # draft_model, eagle, eagle3: suffix drafts too (Arctic Inference's option): a request whose
+    # own and sibling outputs hold a match drafts from it at no drafter pass where the goodput
+    # policy finds that pays, the drafter elsewhere (spec_decode/hybrid.py); the
+    # suffix_decoding_* options apply
     enable_suffix_decoding: bool = False
 
     @property
@@ -106,13 +108,13 @@ class SpeculativeConfig:
 
     @property
     def label(self) -> str:
-        """The drafter in a few words: its method, with "+suffix" for a draft model with suffix
+        """The drafter in a few words: its method, with "+suffix" for a drafter with suffix
         decoding."""
         return self.method + ("+suffix" if self.enable_suffix_decoding else "")
 
     @property
     def uses_suffix(self) -> bool:
-        """Whether suffix trees draft: method suffix, or a draft model with enable_suffix_decoding."""
+        """Whether suffix trees draft: method suffix, or a drafter with enable_suffix_decoding."""
         return self.method == "suffix" or self.enable_suffix_decoding
 
     @property
@@ -198,16 +200,16 @@ class SpeculativeConfig:
                     f"draft_quantization: an EAGLE head takes none, int8 or int4, "
                     f"not {self.draft_quantization!r}"
                 )
-        if self.enable_suffix_decoding and self.method != "draft_model":
+        if self.enable_suffix_decoding and self.method not in MODEL_DRAFTERS:
             raise ValueError(
-                "enable_suffix_decoding: only applies to method draft_model "
+                "enable_suffix_decoding: only applies to methods draft_model, eagle and eagle3 "
                 '(method "suffix" drafts from suffix trees alone)'
             )
         if not self.uses_suffix:
             for name in SUFFIX_FIELDS:
                 if getattr(self, name) is not None:
                     raise ValueError(
-                        f"{name}: only applies to method suffix, or draft_model with enable_suffix_decoding"
+                        f"{name}: only applies to method suffix, or a drafter with enable_suffix_decoding"
                     )
         if self.num_speculative_tokens is None and self.dynamic_config_path is None:
             raise ValueError("num_speculative_tokens: required (an integer >= 1)")

@@ -1,13 +1,15 @@
-"""A draft model with suffix drafts beside it (``"enable_suffix_decoding": true``, Arctic
-Inference's option).
+"""A drafter (a draft model or an EAGLE head) with suffix drafts beside it
+(``"enable_suffix_decoding": true``, Arctic Inference's option).
 
 In an RL rollout the same prompt is sampled many times and comes back every epoch, so a request's
 next tokens are often in its siblings' and predecessors' outputs: a suffix match drafts them for the
-host time of a tree walk, where the draft model costs a pass per draft position. Before the K policy
+host time of a tree walk, where the drafter costs a pass per draft position. Before the K policy
 chooses, each decode's best suffix match is offered to it as a free draft (``free_rates``: each
 token's frequency); the policy prices those rows without drafter passes and chooses which take
 their match (``SchedulePlan.free_rows``, ``GoodputK``). Here those rows get their match and the
-others the draft model's drafts, in one ``Drafts`` of the step. A wide batch where the drafter's
+others the drafter's drafts, in one ``Drafts`` of the step. An EAGLE head still reads the target's
+states of every row (``read_hidden`` gets the step's whole ``Drafts``), so a row that drafted from
+its match catches the head up at its next drafter step, like a step of K=0. A wide batch where the drafter's
 passes do not pay can still draft where a match is confident; a tail of a few requests keeps the
 drafter where it does better.
 
@@ -126,7 +128,13 @@ class HybridProposer(Proposer):
     def stats(self) -> dict:
         return {**self.model.stats(), "suffix": self.suffix.stats(), "sources": self._counts.to_dict()}
 
-    # the rest is the draft model's
+    # the rest is the drafter's
+    def hidden_layers(self) -> tuple[int, ...]:
+        return self.model.hidden_layers()
+
+    def read_hidden(self, plan: SchedulePlan, drafts: Drafts, hidden: torch.Tensor | None) -> None:
+        self.model.read_hidden(plan, drafts, hidden)
+
     def kv_bytes_per_token(self) -> int:
         return self.model.kv_bytes_per_token()
 

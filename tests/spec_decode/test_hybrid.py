@@ -1,7 +1,9 @@
-"""A draft model with suffix drafts beside it (``"enable_suffix_decoding": true``): the config, the
-goodput policy's choice of which rows take their match, and lossless output on the tiny models."""
+"""A drafter (a draft model or an EAGLE head) with suffix drafts beside it
+(``"enable_suffix_decoding": true``): the config, the goodput policy's choice of which rows take
+their match, and lossless output on the tiny models."""
 
 import pytest
+from support.eagle import target_config, write_head
 from support.engine import PROMPTS, make_engine, run_alone, run_staggered
 from support.kpolicy import step_record
 
@@ -25,6 +27,14 @@ def test_suffix_options_apply_to_a_draft_model_that_enables_suffix_decoding():
     )
     assert spec.uses_suffix and spec.suffix.min_token_prob == 0.2 and spec.label == "draft_model+suffix"
     assert SpeculativeConfig.parse(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_an_eagle_head_takes_suffix_decoding_too(method):
+    spec = SpeculativeConfig.parse(
+        {"method": method, "model": "x", "num_speculative_tokens": 3, "enable_suffix_decoding": True}
+    )
+    assert spec.uses_suffix and spec.label == f"{method}+suffix"
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
@@ -209,3 +219,23 @@ def test_rows_drafting_their_match_owe_the_drafter_no_catch_up(target_dir, plain
     rule.matched_rows.clear()
     assert run_staggered(engine, SIBLINGS[:3], arrive_every=1) == [plain[0]] * 3
     assert max(rule.matched_rows) == 3
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_an_eagle_head_with_matches_in_one_step_equals_plain(tmp_path, target_dir, plain, method):
+    """Rows that draft their match still hand the head the target's states of what they accepted:
+    the head catches up on them at the row's next head step, and every output is plain's."""
+    head = write_head(tmp_path / method, method, target_config(target_dir), draft_vocab=150)
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": 3, "enable_suffix_decoding": True}
+    engine = make_engine(target_dir, speculative_config=spec)
+    rule = HalfFree(3)
+    engine.set_k_policy(rule)
+    assert (
+        run_staggered(engine, SIBLINGS + PROMPTS, arrive_every=2)
+        == [plain[0]] * 3 + [plain[3], plain[0]] + plain
+    )
+    sources = engine.stats()["spec"]["proposer"]["sources"]
+    assert sources["suffix"]["accepted"] > 0 and sources["model"]["draft_tokens"] > 0
+    assert engine.proposer.hidden_layers() == engine.proposer.model.hidden_layers() != ()
+    engine.step()  # the last finished requests are released at the next schedule
+    assert engine.proposer.model.states == {} and engine.allocator.usage == 0.0
