@@ -377,7 +377,10 @@ class GoodputK:
         the grid's columns (a step's cost follows the rows it verifies, and the grid's row at this
         bs has them at this bs's prices: on this CPU whole 16-row blocks), less that K's drafter
         passes over bs rows, plus the drafter passes actually run, one per layer of its rows
-        (``StepCostModel.draft_pass_ms``: none for n-gram)."""
+        (``StepCostModel.draft_pass_ms``: none for n-gram). A free token costs at least the
+        cheapest verified token of the row's other cells (else the cost model's
+        ``verify_ms_per_token``): a cell timed cheaper than its plain step and drafter passes
+        together reads 0 a token, and would make every match pay at that load."""
         return self._drafted_pricer(bs)(layers, free_tokens)
 
     def _drafted_pricer(self, bs: int) -> Callable[[tuple[int, ...], int], float]:
@@ -385,6 +388,12 @@ class GoodputK:
         read once, for the many sets of layers one choice prices."""
         row = [self.itl(bs, k) for k in range(self.max_k + 1)] if bs > 0 else []
         draft_pass = functools.cache(self._pass_pricer(bs, row))
+        shares = [
+            (t - row[0] - k * draft_pass(bs)) / (k * bs)
+            for k, t in enumerate(row)
+            if k and t is not None and row[0] is not None
+        ]
+        verify_floor = min((x for x in shares if x > 0), default=self.costs.verify_ms_per_token())
 
         @functools.cache
         def cost(layers: tuple[int, ...], free_tokens: int = 0) -> float:
@@ -398,8 +407,9 @@ class GoodputK:
             if low is None or high is None or plain is None:
                 return float("inf")
             spec = low + (high - low) * (k - lo)
-            target = max(0.0, spec - plain - k * draft_pass(bs))
-            return target + sum(draft_pass(rows) for rows in layers if rows)
+            per_token = max(0.0, spec - plain - k * draft_pass(bs)) / drafted
+            free = free_tokens * max(per_token, verify_floor) if free_tokens else 0.0
+            return per_token * sum(layers) + free + sum(draft_pass(rows) for rows in layers if rows)
 
         return cost
 

@@ -87,6 +87,18 @@ def test_one_request_keeps_the_drafter_where_its_match_expects_less():
     assert rule.free_rows() == [True] and drafts == [3]  # as many tokens, none of its passes
 
 
+def test_a_free_token_costs_the_rows_cheapest_verified_token_where_its_cell_reads_none():
+    """A grid whose K=1 cell at 2 requests came out cheaper than a plain step and a drafter pass
+    (the xeon pair profile's did): its verified share reads 0 a token, so the free token takes the
+    cheapest verified token of the row's other cells, here K=2's."""
+    stats = {bs: {k: grid(bs, k) for k in range(4)} for bs in STATS}
+    stats[2][1] = stats[2][0] + 20.0  # less than one 30 ms drafter pass
+    rule = GoodputK(Profile(3, [0.8, 0.7, 0.6], stats, cost_model=COST), 3, hysteresis_steps=1)
+    one_pass = rule.drafted_cost(2, (1,))  # a drafter layer of one row: its pass (the cell's share is 0)
+    cheapest = (rule.itl(2, 2) - rule.itl(2, 0) - 2 * one_pass) / 4  # K=2 over 2 rows: 4 tokens
+    assert cheapest > 0 and rule.drafted_cost(2, (), 2) == pytest.approx(2 * cheapest)
+
+
 def test_matched_rows_teach_their_calibration_and_not_the_drafters_acceptance():
     rule = policy()
     before = rule.acceptance.rates()
