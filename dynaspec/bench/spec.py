@@ -1,6 +1,8 @@
 """`dynaspec bench spec`: speculative speedup at batch size 1, greedy, against plain decoding and
 against Hugging Face transformers' assisted generation with the same pair, in one run (with
-``--eagle3 DIR``, an EAGLE-3 head beside the draft model and n-gram).
+``--eagle3 DIR``, an EAGLE-3 head beside the draft model and n-gram; with ``--with-suffix``, the
+draft model and the head each with suffix drafts beside them, under the goodput policy on their
+auto profiles: the configuration a user of ``enable_suffix_decoding`` gets).
 
 Configurations are interleaved prompt by prompt (every configuration runs prompt 1, then prompt 2,
 ...) so machine noise hits them alike. Speeds are output tokens over wall time, prefill included.
@@ -32,6 +34,18 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--eagle-k", default="3", help="K values for --eagle3 (comma-separated; its head int8 on the CPU)"
+    )
+    p.add_argument(
+        "--with-suffix",
+        action="store_true",
+        help="also the draft model (and --eagle3's head) with enable_suffix_decoding, under the goodput "
+        "policy on an auto profile (made on first use, then cached)",
+    )
+    p.add_argument(
+        "--suffix-profile",
+        default="auto",
+        metavar="PATH",
+        help="the --with-suffix configs' dynamic_config_path (default: auto)",
     )
     p.add_argument(
         "--quantization",
@@ -74,6 +88,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from dynaspec.bench.llamacpp import lookup_generate
     from dynaspec.datasets import load_prompts
+    from dynaspec.engine.build import build_engine
     from dynaspec.engine.engine import Engine, EngineConfig
     from dynaspec.kpolicy.policy import FixedK
     from dynaspec.sampling_params import SamplingParams
@@ -114,6 +129,12 @@ def run(args: argparse.Namespace) -> int:
         eagle = {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": max(eagle_ks)}
         engines["eagle3"] = Engine(EngineConfig(model=args.model, speculative_config=eagle, **base))
         configs += [(f"dynaspec eagle3 K={k}", "eagle3", k) for k in eagle_ks]
+    if args.with_suffix:  # each drafter with suffix drafts, K chosen by goodput on its auto profile
+        for name, spec in [("draft", draft_spec)] + ([("eagle3", eagle)] if args.eagle3 else []):
+            hybrid = spec | {"dynamic_config_path": args.suffix_profile, "enable_suffix_decoding": True}
+            config = EngineConfig(model=args.model, speculative_config=hybrid, **base)
+            engines[f"{name}+suffix"] = build_engine(config)
+            configs.append((f"dynaspec {name}+suffix goodput", f"{name}+suffix", None))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     tokenizer = engines["plain"].tokenizer
     prompt_ids = [tokenizer.apply_chat_template(p) for p in prompts]

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from dynaspec.cli import main
+from dynaspec.kpolicy.profile import Profile, save_profile
 from dynaspec.models.config import ModelConfig
 from dynaspec.provenance import git_commit
 
@@ -68,6 +69,9 @@ def test_bench_spec_tiny(tmp_path, target_dir):
     head = tmp_path / "head"
     model = eagle3.TrainableEagle3(config)
     eagle3.write_checkpoint(model, config, torch.arange(64), target.vocab_size, head, {"target": "tiny"})
+    # the drafters with suffix drafts beside them (--with-suffix), goodput on a profile of its own
+    profile = tmp_path / "profile.json"
+    save_profile(Profile(2, [0.8, 0.7], {1: {0: 10.0, 1: 12.0, 2: 14.0}}), profile)
     rc = main(
         [
             "bench",
@@ -96,6 +100,9 @@ def test_bench_spec_tiny(tmp_path, target_dir):
             str(head),
             "--eagle-k",
             "1,2",
+            "--with-suffix",
+            "--suffix-profile",
+            str(profile),
             "--dtype",
             "float32",
             "--result-file",
@@ -111,6 +118,8 @@ def test_bench_spec_tiny(tmp_path, target_dir):
         "dynaspec ngram K=2",
         "dynaspec eagle3 K=1",
         "dynaspec eagle3 K=2",
+        "dynaspec draft+suffix goodput",
+        "dynaspec eagle3+suffix goodput",
         "transformers plain",
         "transformers assisted",
     }
