@@ -54,6 +54,40 @@ def test_the_trained_forward_is_the_engines_head_after_a_round_trip(target_dir, 
     torch.testing.assert_close(chained, steps[1][-1:].detach(), rtol=1e-4, atol=1e-4)
 
 
+def test_rows_before_the_first_counted_one_only_lend_their_keys(target_dir, monkeypatch):
+    """The training-time test from row ``first`` on gives, at every step, the logits the full one
+    gives those rows, and a conversation's loss and gradients are those of the full pass."""
+    torch.manual_seed(1)
+    target = target_config(target_dir)
+    model = eagle3.TrainableEagle3(eagle3.head_config(target, 40, 96))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    n, h, first = 12, target.hidden_size, 5
+    embeds, hidden = torch.randn(n + 3, h), torch.randn(n, 3 * h)
+    full, cut = model.ttt(embeds, hidden, 3), model.ttt(embeds, hidden, 3, first)
+    for a, b in zip(full, cut, strict=True):
+        torch.testing.assert_close(b, a[first:], rtol=1e-5, atol=1e-5)
+
+    top = torch.randint(0, 40, (n, 4))
+    conv = eagle3.Conversation(torch.randint(0, 40, (n + 1,)), 7, hidden, top, torch.rand(n, 4), top[:, 0])
+    assert eagle3.first_counted_row(conv, 3) == 3
+    table = torch.randn(target.vocab_size, h)
+    params = [model.fc.weight, model.q_proj.weight, model.lm_head.weight]
+
+    def loss_and_grads():
+        loss, counted = eagle3.step_loss(model, table.__getitem__, conv, 3)
+        return loss, counted, torch.autograd.grad(loss, params)
+
+    loss, counted, grads = loss_and_grads()
+    monkeypatch.setattr(eagle3, "first_counted_row", lambda conv, steps: 0)  # every row, every step
+    loss0, counted0, grads0 = loss_and_grads()
+    assert counted == counted0 > 0
+    torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-6)
+    for g, g0 in zip(grads, grads0, strict=True):
+        torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-6)
+
+
 def test_answers_are_recorded_as_a_teacher_forced_pass_would_capture_them(target_dir, tmp_path):
     """The shards ``collect`` records while the target answers (prefill chunks of 8 tokens, a
     batch of 3) hold, per position but the last, the hidden states and top-k the teacher-forced

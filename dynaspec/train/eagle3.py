@@ -395,41 +395,50 @@ class TrainableEagle3(nn.Module):
         }
 
     def ttt(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, steps: int
-    ) -> list[torch.Tensor]:  # per step j: [n, draft_vocab] logits of rows p (position p + j)
+        self, embeds: torch.Tensor, hidden: torch.Tensor, steps: int, first: int = 0
+    ) -> list[torch.Tensor]:  # per step j: [n - first, draft_vocab] logits of rows p >= first
         """The training-time test over one conversation: ``embeds`` [n + steps, H] are the
         embeddings of the tokens after each position (row p: token p + 1), ``hidden`` [n, 3H] the
         target's states. Step j's row p sits at position p + j, reads the embedding of token
         p + 1 + j and (j > 0) the head's state of step j - 1's row p; it attends to step 0's keys
-        of rows <= p and to its own chain's keys (steps 1..j of row p)."""
+        of rows <= p and to its own chain's keys (steps 1..j of row p).
+
+        Only rows from ``first`` on are carried past step 0's keys and values: a prompt's rows
+        that no loss counts cost one key/value projection each, not three steps and the LM head
+        (a third of the work on ShareGPT's prompts)."""
         n = hidden.shape[0]
-        rows = torch.arange(n)
+        m = n - first
+        rows = torch.arange(first, n)
         state = self.fc(hidden.float())
         keys, values, logits = [], [], []
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[first:]  # [m, n]
+        group = self.heads // self.kv_heads
         for j in range(steps):
-            normed_state = self.hidden_norm(state)
-            x = torch.cat([self.input_layernorm(embeds[j : j + n]), normed_state], dim=-1)
-            cos, sin = self.rotary(rows + j)
-            q = _rotate(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-            k = _rotate(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
-            v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+            x = torch.cat(
+                [self.input_layernorm(embeds[j if j == 0 else first + j : j + n]), self.hidden_norm(state)],
+                dim=-1,
+            )
+            cos, sin = self.rotary(torch.arange(n) if j == 0 else rows + j)
+            k = _rotate(self.k_proj(x).view(-1, self.kv_heads, self.head_dim), cos, sin)
+            v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
+            if j == 0:  # every row's keys and values; the rows from `first` go on
+                x, cos, sin, state = x[first:], cos[first:], sin[first:], state[first:]
+            q = _rotate(self.q_proj(x).view(m, self.heads, self.head_dim), cos, sin)
             keys.append(k)
             values.append(v)
-            group = self.heads // self.kv_heads
-            qh = q.transpose(0, 1)  # [heads, n, d]
+            qh = q.transpose(0, 1)  # [heads, m, d]
             k0 = keys[0].repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, n, d]
-            scores = [(qh @ k0.transpose(1, 2)).masked_fill(~causal, float("-inf"))]  # [heads, n, n]
-            for i in range(1, j + 1):
+            scores = [(qh @ k0.transpose(1, 2)).masked_fill(~causal, float("-inf"))]  # [heads, m, n]
+            for i in range(1, j + 1):  # the row's own chain: [m] keys each
                 ki = keys[i].repeat_interleave(group, dim=1).transpose(0, 1)
-                scores.append((qh * ki).sum(-1, keepdim=True))  # [heads, n, 1]
+                scores.append((qh * ki).sum(-1, keepdim=True))  # [heads, m, 1]
             weights = torch.softmax(torch.cat(scores, dim=-1) / math.sqrt(self.head_dim), dim=-1)
             v0 = values[0].repeat_interleave(group, dim=1).transpose(0, 1)
             out = weights[..., :n] @ v0
             for i in range(1, j + 1):
                 vi = values[i].repeat_interleave(group, dim=1).transpose(0, 1)
                 out = out + weights[..., n + i - 1 : n + i] * vi
-            attn = self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
+            attn = self.o_proj(out.transpose(0, 1).reshape(m, self.heads * self.head_dim))
             residual = attn + state
             mlp_in = self.post_attention_layernorm(residual)
             state = self.down_proj(F.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in)) + residual
@@ -469,6 +478,12 @@ class TrainLog:
     acceptance: list[dict] = field(default_factory=list)  # {"step", "tokens", "alpha": [...]}
 
 
+def first_counted_row(conv: Conversation, steps: int) -> int:
+    """The first row any step's loss counts: step j's row p learns position p + 1 + j's
+    distribution, counted from the prompt's last token (position prompt_len - 1) on."""
+    return max(0, conv.prompt_len - 1 - steps)
+
+
 def step_loss(
     model: TrainableEagle3, embed: Callable[[torch.Tensor], torch.Tensor], conv: Conversation, steps: int
 ) -> tuple[torch.Tensor, int]:
@@ -476,10 +491,11 @@ def step_loss(
     n = conv.hidden.shape[0]  # positions: every token, or all but the last (AnswerRecorder)
     padded = torch.cat([conv.ids, conv.ids.new_zeros(steps + 1)])
     embeds = embed(padded[1 : n + 1 + steps])  # row p: token p + 1
-    logits = model.ttt(embeds, conv.hidden, steps)
+    first = first_counted_row(conv, steps)
+    logits = model.ttt(embeds, conv.hidden, steps, first)
     total, counted = torch.zeros(()), 0
     for j, z in enumerate(logits):
-        q = torch.arange(n) + 1 + j  # the position whose distribution row p learns
+        q = torch.arange(first, n) + 1 + j  # the position whose distribution row p learns
         valid = (q < n) & (q >= conv.prompt_len - 1)
         if not valid.any():
             continue
@@ -510,8 +526,9 @@ def held_out_acceptance(
     for conv in conversations:
         n = conv.hidden.shape[0]
         padded = torch.cat([conv.ids, conv.ids.new_zeros(steps + 1)])
-        logits = model.ttt(embed(padded[1 : n + 1 + steps]), conv.hidden, steps)
-        rows = torch.arange(n)
+        first = first_counted_row(conv, steps)
+        logits = model.ttt(embed(padded[1 : n + 1 + steps]), conv.hidden, steps, first)
+        rows = torch.arange(first, n)
         valid = (rows + steps < n) & (rows + 1 >= conv.prompt_len - 1)
         if not valid.any():
             continue
