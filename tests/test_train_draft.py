@@ -159,3 +159,13 @@ def test_a_tiny_run_learns_writes_a_loadable_head_and_stays_lossless(target_dir,
     before = sorted(p.stat().st_mtime for p in (out / "data").glob("*.pt"))
     assert main(args) == 0
     assert sorted(p.stat().st_mtime for p in (out / "data").glob("*.pt")) == before
+
+    # more data on a resumed run: the head is measured on the held-out set it has now before it
+    # trains on (the curve's points say on how many conversations each was measured)
+    steps = card["steps"]
+    with prompts.open("a") as f:
+        f.write("\n" + "\n".join(json.dumps({"prompt": f"{p} again"}) for p in PROMPTS))
+    assert main([a if a != "20" else "25" for a in args]) == 0
+    curve = json.loads((out / "training_log.json").read_text())["curve"]
+    assert {"step": steps, "held_out": 4} in [{k: p[k] for k in ("step", "held_out")} for p in curve]
+    assert {"step": steps, "held_out": 5} in [{k: p[k] for k in ("step", "held_out")} for p in curve]

@@ -661,8 +661,8 @@ def auto_profile_path(key: dict) -> Path:
 def auto_profile(engine: Engine, spec: SpeculativeConfig) -> Profile:
     """The cached profile for this engine and machine, made (quickly) on first use.
 
-    A cached file that cannot be read is replaced, with a notice; nothing here fails a start-up
-    that a profile could rescue."""
+    A cached file that cannot be read is removed and replaced, with a notice; nothing here fails a
+    start-up that a profile could rescue."""
     key = auto_profile_key(engine, spec)
     path = auto_profile_path(key)
     if path.is_file():
@@ -670,6 +670,7 @@ def auto_profile(engine: Engine, spec: SpeculativeConfig) -> Profile:
             cached = load_profile(path)
         except ValueError as e:
             log.warning("dynaspec: the cached profile is unreadable (%s); profiling again", e)
+            path.unlink(missing_ok=True)  # not read again, should this profile not be cached either
         else:
             implausible = implausible_plain_steps(cached.batch_stats)
             if not implausible:

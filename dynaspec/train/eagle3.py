@@ -475,7 +475,8 @@ class TrainLog:
     tokens: int = 0  # answer positions trained on (each counted once per step of the test)
     seconds: float = 0.0
     losses: list[list[float]] = field(default_factory=list)  # [step, loss]
-    acceptance: list[dict] = field(default_factory=list)  # {"step", "tokens", "alpha": [...]}
+    # {"step", "tokens", "alpha": [...], "held_out": conversations measured on}
+    acceptance: list[dict] = field(default_factory=list)
 
 
 def first_counted_row(conv: Conversation, steps: int) -> int:
@@ -584,10 +585,12 @@ def train(
     def evaluate() -> None:
         with amp:
             alpha = held_out_acceptance(model, embed, eval_set, draft_to_target, settings.ttt_steps)
-        log_.acceptance.append({"step": log_.steps, "tokens": log_.tokens, "alpha": alpha})
+        log_.acceptance.append(
+            {"step": log_.steps, "tokens": log_.tokens, "alpha": alpha, "held_out": len(eval_set)}
+        )
 
-    if not log_.acceptance:
-        evaluate()  # the untrained head: the curve's first point
+    if not log_.acceptance or log_.acceptance[-1].get("held_out") != len(eval_set):
+        evaluate()  # the untrained head's, or a resumed head's on the held-out set it has now
     began = time.perf_counter() - log_.seconds
     order, order_epoch = [], -1
     with tqdm(

@@ -209,7 +209,10 @@ def test_auto_profiles_once_reuses_the_cache_and_replaces_a_corrupt_one(
     with caplog.at_level(logging.WARNING, logger="dynaspec"):
         build(speculative_config=spec)
     assert len(calls) == 2 and "unreadable" in caplog.text
-    assert load_profile(cached[0]).batch_stats  # replaced by a good one
+    if "is not cached" in caplog.text:  # profiled while another job held the cores: the file is gone
+        assert not cached[0].exists()
+    else:
+        assert load_profile(cached[0]).batch_stats  # replaced by a good one
     # another drafter configuration is another machine profile: its own file
     build(speculative_config={**spec, "num_speculative_tokens": 2})
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
