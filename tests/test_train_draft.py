@@ -169,3 +169,10 @@ def test_a_tiny_run_learns_writes_a_loadable_head_and_stays_lossless(target_dir,
     curve = json.loads((out / "training_log.json").read_text())["curve"]
     assert {"step": steps, "held_out": 4} in [{k: p[k] for k in ("step", "held_out")} for p in curve]
     assert {"step": steps, "held_out": 5} in [{k: p[k] for k in ("step", "held_out")} for p in curve]
+
+    # --collect-only records more answers and leaves the head as it was
+    state = (out / "train_state.pt").stat().st_mtime
+    with prompts.open("a") as f:
+        f.write("\n" + json.dumps({"prompt": "one more"}))
+    assert main([a if a != "20" else "26" for a in args] + ["--collect-only"]) == 0
+    assert len(list((out / "data").glob("*.pt"))) == 26 and (out / "train_state.pt").stat().st_mtime == state

@@ -50,6 +50,11 @@ def add_parser(sub) -> None:
         action="store_true",
         help="start training over, the draft vocabulary chosen again (the collected data is kept)",
     )
+    p.add_argument(
+        "--collect-only",
+        action="store_true",
+        help="generate and record the answers, then stop (train later with the same command without it)",
+    )
     p.set_defaults(func=run)
 
 
@@ -98,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(EngineConfig(model=args.model, **kwargs))
     output = Path(args.output)
     shards = eagle3.collect(engine, prompts, settings, output / "data", progress=engine.config.progress)
+    if args.collect_only:
+        print(
+            f"{len(shards)} conversations recorded under {output / 'data'}; nothing trained (--collect-only)"
+        )
+        return 0
     held = max(1, round(len(shards) * settings.holdout))
     train_shards, eval_shards = shards[:-held], shards[-held:]
     if not train_shards:
