@@ -176,3 +176,10 @@ def test_a_tiny_run_learns_writes_a_loadable_head_and_stays_lossless(target_dir,
         f.write("\n" + json.dumps({"prompt": "one more"}))
     assert main([a if a != "20" else "26" for a in args] + ["--collect-only"]) == 0
     assert len(list((out / "data").glob("*.pt"))) == 26 and (out / "train_state.pt").stat().st_mtime == state
+
+    # as many held out as before (5), but not the same five: measured again before training on
+    steps = json.loads((out / "training_log.json").read_text())["steps"]
+    assert main([a if a != "20" else "26" for a in args]) == 0
+    curve = json.loads((out / "training_log.json").read_text())["curve"]
+    names = [p["held_out_names"] for p in curve if p["step"] == steps and p["held_out"] == 5]
+    assert len(names) == 2 and names[0] != names[1]

@@ -127,10 +127,8 @@ def run(args: argparse.Namespace) -> int:
     model = eagle3.TrainableEagle3(config)
     eagle3.init_from_target(model, engine.runner.model, draft_ids)
     embed = eagle3.target_embedder(engine.runner.model)
-    eval_set = [
-        eagle3.Conversation.of(torch.load(p), target_to_draft)
-        for p in eval_shards[: settings.max_eval_conversations]
-    ]
+    measured = eval_shards[: settings.max_eval_conversations]
+    eval_set = [eagle3.Conversation.of(torch.load(p), target_to_draft) for p in measured]
     if args.fresh:
         (output / eagle3.STATE_FILE).unlink(missing_ok=True)
     log = eagle3.train(
@@ -143,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         settings,
         output,
         progress=engine.config.progress,
+        eval_names=[p.stem for p in measured],
     )
     answer_tokens = 0
     for path in shards:

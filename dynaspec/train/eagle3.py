@@ -35,7 +35,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -475,7 +475,7 @@ class TrainLog:
     tokens: int = 0  # answer positions trained on (each counted once per step of the test)
     seconds: float = 0.0
     losses: list[list[float]] = field(default_factory=list)  # [step, loss]
-    # {"step", "tokens", "alpha": [...], "held_out": conversations measured on}
+    # {"step", "tokens", "alpha": [...], "held_out": conversations measured on, "held_out_names"}
     acceptance: list[dict] = field(default_factory=list)
 
 
@@ -553,10 +553,13 @@ def train(
     output: Path,
     progress: bool = True,
     resume: bool = True,
+    eval_names: Sequence[str] = (),
 ) -> TrainLog:
     """Train ``model`` in place on the shards ``train_set`` (read one at a time: a long run's hidden
     states do not fit in memory), resuming from ``output/train_state.pt`` when there is one and
-    ``resume``; stop after ``settings.epochs`` epochs or ``time_budget_s`` of training."""
+    ``resume``; stop after ``settings.epochs`` epochs or ``time_budget_s`` of training.
+    ``eval_names`` name the held-out conversations (their shards): a resumed run whose held-out
+    set is not the one last measured measures the head on it before training on."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     total_steps = settings.epochs * len(train_set)
     log_ = TrainLog()
@@ -585,11 +588,10 @@ def train(
     def evaluate() -> None:
         with amp:
             alpha = held_out_acceptance(model, embed, eval_set, draft_to_target, settings.ttt_steps)
-        log_.acceptance.append(
-            {"step": log_.steps, "tokens": log_.tokens, "alpha": alpha, "held_out": len(eval_set)}
-        )
+        point = {"step": log_.steps, "tokens": log_.tokens, "alpha": alpha, "held_out": len(eval_set)}
+        log_.acceptance.append(point | {"held_out_names": list(eval_names)})
 
-    if not log_.acceptance or log_.acceptance[-1].get("held_out") != len(eval_set):
+    if not log_.acceptance or log_.acceptance[-1].get("held_out_names", []) != list(eval_names):
         evaluate()  # the untrained head's, or a resumed head's on the held-out set it has now
     began = time.perf_counter() - log_.seconds
     order, order_epoch = [], -1
