@@ -7,11 +7,11 @@ host time of a tree walk, where the drafter costs a pass per draft position. Bef
 chooses, each decode's best suffix match is offered to it as a free draft (``free_rates``: each
 token's frequency); the policy prices those rows without drafter passes and chooses which take
 their match (``SchedulePlan.free_rows``, ``GoodputK``). Here those rows get their match and the
-others the drafter's drafts, in one ``Drafts`` of the step. An EAGLE head still reads the target's
-states of every row (``read_hidden`` gets the step's whole ``Drafts``), so a row that drafted from
-its match catches the head up at its next drafter step, like a step of K=0. A wide batch where the drafter's
-passes do not pay can still draft where a match is confident; a tail of a few requests keeps the
-drafter where it does better.
+others the drafter's drafts, in one ``Drafts`` of the step. An EAGLE head still reads the
+target's states of every row (``read_hidden`` gets the step's whole ``Drafts``), so a row that
+drafted from its match catches the head up at its next drafter step, like a step of K=0. A wide
+batch where the drafter's passes do not pay can still draft where a match is confident; a tail of
+a few requests keeps the drafter where it does better.
 
 Verification treats every draft token as proposed for certain (rejection.py), so which source
 drafted a row never changes what the target emits.
