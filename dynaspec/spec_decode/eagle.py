@@ -56,23 +56,28 @@ class DraftDraw:
 
 
 def draw_position(
-    logits: torch.Tensor,  # [len(rows), vocab] float32
+    logits: torch.Tensor,  # [len(rows), vocab] float32 (with to_target: over the head's cut ids)
     rows: list[int],  # the decodes drafting at position j
     j: int,
     draw: DraftDraw,
     sampling: SamplingTensors,
     min_confidence: float,
+    to_target: torch.Tensor | None = None,  # [cut vocab] the target id of each of the logits' ids
 ) -> None:
     """Draft j of each row in ``rows``: the most likely token for greedy requests, for sampled ones a
     draw at the uniform the target draws its token j from (rejection.py), after the request's
-    penalties; a row keeps it unless the drafter's top probability is below ``min_confidence``."""
+    penalties; a row keeps it unless the drafter's top probability is below ``min_confidence``.
+    Logits over a cut vocabulary (``to_target``) take only greedy draws without penalties: the ids
+    outside it have probability 0, so the top and its probability are the same."""
     idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
     logits = logits[:, None, :]  # [len(rows), 1, vocab]
+    if to_target is not None and not (sampling.all_greedy and sampling.penalties is None):
+        raise ValueError("draw_position: cut logits take greedy draws without penalties only")
     if sampling.penalties is not None:  # draft j's context: the output and drafts 0..j-1
         logits = apply_penalties(logits, sampling.penalties.rows(idx), draw.tokens.index_select(0, idx), j)
     if sampling.all_greedy:
         top = torch.softmax(logits[:, 0], -1).max(-1)  # [len(rows)]
-        draw.tokens[idx, j] = top.indices
+        draw.tokens[idx, j] = top.indices if to_target is None else to_target[top.indices]
     else:
         at = sampling.rows(idx)
         q = processed_probs(logits, at.temperature, at.top_k, at.top_p)[:, 0]  # [len(rows), vocab]
@@ -182,10 +187,13 @@ class EagleProposer(Proposer):
         active = [i for i, cap in enumerate(plan.k_caps) if cap > 0 and self._caught_up(plan.decodes[i])]
         if not active:
             return Drafts(draw.tokens, draw.lens, passes, draw.confidence)
+        # a greedy draw without penalties reads a cut head's own ids: no logits over the full vocabulary
+        full = not (self.head.cut and sampling.all_greedy and sampling.penalties is None)
+        to_target = None if full else self.head.draft_to_target
         start = time.perf_counter()
-        logits, state, extra = self._catch_up([plan.decodes[i] for i in active])
+        logits, state, extra = self._catch_up([plan.decodes[i] for i in active], full)
         passes.append(DraftPass(len(active), extra, self._elapsed_ms(start)))
-        draw_position(logits, active, 0, draw, sampling, plan.min_draft_confidence)
+        draw_position(logits, active, 0, draw, sampling, plan.min_draft_confidence, to_target)
         for j in range(1, plan.k):
             keep = [row for row, i in enumerate(active) if plan.k_caps[i] > j and draw.lens[i] == j]
             if not keep:
@@ -198,9 +206,9 @@ class EagleProposer(Proposer):
             positions = [r.num_tokens - 2 + j for r in decodes]  # the head reads draft j - 1 here
             tables = [r.block_ids for r in decodes]
             out, state = self._pass(ids, state, positions, [1] * len(active), tables)
-            logits = self.head.draft_logits(out, self.ctx.target_logits, self.vocab_size)
+            logits = self.head.draft_logits(out, self.ctx.target_logits, self.vocab_size, full)
             passes.append(DraftPass(len(active), 0, self._elapsed_ms(start)))
-            draw_position(logits, active, j, draw, sampling, plan.min_draft_confidence)
+            draw_position(logits, active, j, draw, sampling, plan.min_draft_confidence, to_target)
         return Drafts(draw.tokens, draw.lens, passes, draw.confidence)
 
     def _caught_up(self, request) -> bool:
@@ -208,11 +216,12 @@ class EagleProposer(Proposer):
         state = self.states.get(request.request_id)
         return state is not None and state.first < request.num_tokens - 1 <= state.end
 
-    def _catch_up(self, decodes: list) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _catch_up(self, decodes: list, full: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One head pass over each request's positions from ``first`` to the one before its last
         token, on the target's states and the tokens after them: the logits [len(decodes), vocab]
-        and the head's states [len(decodes), H] at each request's last position (draft 1, and what
-        the chain goes on from), and the tokens read beyond one a request."""
+        (``full`` False: over a cut head's own ids) and the head's states [len(decodes), H] at each
+        request's last position (draft 1, and what the chain goes on from), and the tokens read
+        beyond one a request."""
         hidden, ids, positions, lens = [], [], [], []
         for r in decodes:
             state = self.states[r.request_id]
@@ -226,7 +235,7 @@ class EagleProposer(Proposer):
         tables = [r.block_ids for r in decodes]
         out, state = self._pass(ids_t, torch.cat(hidden), positions, lens, tables)
         last = torch.tensor(lens, device=self.ctx.device).cumsum(0) - 1
-        logits = self.head.draft_logits(out[last], self.ctx.target_logits, self.vocab_size)
+        logits = self.head.draft_logits(out[last], self.ctx.target_logits, self.vocab_size, full)
         return logits, state[last], len(ids) - len(decodes)
 
     def _pass(

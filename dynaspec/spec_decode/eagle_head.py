@@ -176,13 +176,19 @@ class EagleHead(nn.Module):
 
     @torch.inference_mode()
     def draft_logits(
-        self, out: torch.Tensor, target_logits: Callable[[torch.Tensor], torch.Tensor], vocab_size: int
+        self,
+        out: torch.Tensor,
+        target_logits: Callable[[torch.Tensor], torch.Tensor],
+        vocab_size: int,
+        full: bool = True,
     ) -> torch.Tensor:  # [n, vocab] float32: ids the head cannot propose at -inf
-        """Logits over the target's vocabulary of the head's output ``out`` [n, H]."""
+        """Logits over the target's vocabulary of the head's output ``out`` [n, H]; with ``full``
+        False, a cut head's logits over its own ids (``draft_to_target`` maps them), not spread
+        over the target's vocabulary (a greedy draw needs only their top)."""
         if self.lm_head is None:
             return target_logits(out)
         cut = self.lm_head(out).float()  # [n, draft_vocab]
-        if not self.cut:
+        if not self.cut or not full:
             return cut
         full = cut.new_full((cut.shape[0], vocab_size), float("-inf"))
         return full.index_copy_(1, self.draft_to_target, cut)

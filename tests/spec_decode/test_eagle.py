@@ -11,11 +11,13 @@ from safetensors.torch import save_file
 from support.eagle import AUX_LAYERS, target_config, write_head
 from support.engine import PROMPTS, make_engine, run_alone, run_staggered
 from support.kpolicy import RaggedK
+from support.sampling import sampling_rows
 
 from dynaspec import SamplingParams
 from dynaspec.engine.runner import TokenRun
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.qlinear import QuantLinear
+from dynaspec.spec_decode.eagle import DraftDraw, draw_position
 from dynaspec.spec_decode.eagle_head import default_aux_layers, load_eagle_head, quantize_head
 
 
@@ -314,6 +316,27 @@ def test_drafts_equal_the_papers_head_on_hugging_face_s_hidden_states(
     assert len(checked) >= 4
     if accept is not None:
         assert engine.stats()["spec"]["num_accepted_tokens"] >= 4
+
+
+def test_a_greedy_draw_over_a_cut_head_s_own_ids_equals_the_full_vocabulary_s():
+    """Greedy drafts from a cut head's logits over its own ids (mapped to the target's) are the
+    draws of the same logits spread over the target's vocabulary at -inf, with their confidences
+    (a softmax over fewer terms: equal to float32 rounding)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, cut_ids = 500, torch.randperm(500, generator=gen)[:40].sort().values
+    cut = torch.randn(3, 40, generator=gen) * 3
+    cut[1, 7] = cut[1, 9] = cut[1].max() + 1  # a tie: the lower id wins in both
+    full = torch.full((3, vocab), float("-inf")).index_copy_(1, cut_ids, cut)
+    draws = []
+    for logits, to_target in ((full, None), (cut, cut_ids)):
+        draw = DraftDraw(torch.zeros(4, 2, dtype=torch.long), [1, 0, 0, 1], [[0.5], [], [], [0.5]])
+        draw_position(logits, [0, 1, 3], 1, draw, sampling_rows([0.0] * 4), 0.3, to_target)
+        draws.append((draw.tokens.tolist(), draw.lens, sum(draw.confidence, [])))
+    assert draws[0][:2] == draws[1][:2]
+    assert draws[0][2] == pytest.approx(draws[1][2], rel=1e-6)
+    assert draws[0][0][1][1] == cut_ids[7]
+    with pytest.raises(ValueError, match="greedy"):
+        draw_position(cut, [0, 1, 3], 1, draw, sampling_rows([0.0, 1.0, 0.0, 0.0]), 0.3, cut_ids)
 
 
 def _spy(engine, check):
