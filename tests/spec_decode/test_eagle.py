@@ -331,7 +331,7 @@ def test_a_greedy_draw_over_a_cut_head_s_own_ids_equals_the_full_vocabulary_s():
     for logits, to_target in ((full, None), (cut, cut_ids)):
         draw = DraftDraw(torch.zeros(4, 2, dtype=torch.long), [1, 0, 0, 1], [[0.5], [], [], [0.5]])
         draw_position(logits, [0, 1, 3], 1, draw, sampling_rows([0.0] * 4), 0.3, to_target)
-        draws.append((draw.tokens.tolist(), draw.lens, sum(draw.confidence, [])))
+        draws.append((draw.tokens.tolist(), draw.lens, [p for row in draw.confidence for p in row]))
     assert draws[0][:2] == draws[1][:2]
     assert draws[0][2] == pytest.approx(draws[1][2], rel=1e-6)
     assert draws[0][0][1][1] == cut_ids[7]
