@@ -6,14 +6,16 @@ and their ratio (after / before).
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 
 def main() -> None:
-    folder = Path(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", help="before_<round>.json and after_<round>.json of qmm_rows.py --out")
+    folder = Path(ap.parse_args().folder)
     runs = {
         which: [json.loads(p.read_text())["ms"] for p in sorted(folder.glob(f"{which}_*.json"))]
         for which in ("before", "after")
