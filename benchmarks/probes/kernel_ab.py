@@ -2,13 +2,15 @@
 kernel's one-row loop and prefetch"): the engine's plain decode (tok/s of engine steps at each batch size,
 after a chat prompt or, with --context N, N tokens of text), or with --stream,
 benchmarks/probes/qmm_stream.py with the given arguments (weights streamed from memory), or with
---attention, benchmarks/probes/attention_kernel.py with the given arguments. Each variant runs in its own
+--attention, benchmarks/probes/attention_kernel.py with the given arguments, or with --rows,
+benchmarks/probes/qmm_rows.py (ms per call against rows, in cache). Each variant runs in its own
 process (the kernels build once per source version, then are cached), alternating in rounds.
 
     .venv/bin/python benchmarks/probes/kernel_ab.py --rev 52fede7 [--batch-sizes 1,8] [--rounds 2]
     .venv/bin/python benchmarks/probes/kernel_ab.py --rev 52fede7 --stream "--format Q4_K --rows 1"
     .venv/bin/python benchmarks/probes/kernel_ab.py --rev 84d4c9c \
         --attention "--tail 2000 --cache bfloat16 --cold"
+    .venv/bin/python benchmarks/probes/kernel_ab.py --rev 02a233a --rounds 6 --rows "--rows 1,2,3,8 --no-amx"
     .venv/bin/python benchmarks/probes/kernel_ab.py --rev 84d4c9c --batch-sizes 1 --context 8000
 """
 
@@ -20,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parents[2] / "dynaspec" / "models" / "csrc"
-SCRIPTS = {"stream": "qmm_stream.py", "attention": "attention_kernel.py"}
+SCRIPTS = {"stream": "qmm_stream.py", "attention": "attention_kernel.py", "rows": "qmm_rows.py"}
 PATCH = """
 import sys
 from pathlib import Path
@@ -80,6 +82,7 @@ def main() -> None:
     p.add_argument(
         "--attention", default=None, help="run benchmarks/probes/attention_kernel.py with these arguments"
     )
+    p.add_argument("--rows", default=None, help="run benchmarks/probes/qmm_rows.py with these arguments")
     args = p.parse_args()
     script = next(((SCRIPTS[k], getattr(args, k)) for k in SCRIPTS if getattr(args, k) is not None), None)
     with tempfile.TemporaryDirectory() as old:

@@ -1,6 +1,7 @@
 """Milliseconds per quantized linear forward against rows, for the C++ operator as built from the
-``dynaspec`` package on the path: the A/B probe for a kernel change (run it from two checkouts,
-alternately). The VNNI loop alone (``--no-amx``) stands for a CPU without AMX.
+``dynaspec`` package on the path; ``kernel_ab.py --rows "<these arguments>"`` runs it against a
+revision's kernels, alternating (the results record's run used two checkouts on PYTHONPATH instead).
+The VNNI loop alone (``--no-amx``) stands for a CPU without AMX.
 
     .venv/bin/python benchmarks/probes/qmm_rows.py --shapes gate_up,down --rows 1,2,3,4,8,16 [--no-amx]
 """

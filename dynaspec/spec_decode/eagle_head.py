@@ -190,8 +190,8 @@ class EagleHead(nn.Module):
         cut = self.lm_head(out).float()  # [n, draft_vocab]
         if not self.cut or not full:
             return cut
-        full = cut.new_full((cut.shape[0], vocab_size), float("-inf"))
-        return full.index_copy_(1, self.draft_to_target, cut)
+        spread = cut.new_full((cut.shape[0], vocab_size), float("-inf"))
+        return spread.index_copy_(1, self.draft_to_target, cut)
 
 
 def _expected(config: EagleHeadConfig, prefix: str) -> dict[str, tuple[int, ...]]:

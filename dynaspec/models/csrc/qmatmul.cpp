@@ -213,8 +213,8 @@ inline void unpack_group(const uint8_t* wp, uint8_t* dst) {
 // R rows (1-3: a batch-1 decode, a speculative verify of a few positions): tile_step's operations
 // for r_end = r0 + R, with the accumulators in registers instead of memory and each group's dot
 // product split over two chains of vpdpbusd (the int32 sums are exact, so the result is the same
-// to the bit). A single row's loop was bound by those dependency chains, not by memory, and two
-// or three rows through tile_step's general loop cost 1.2-1.4x what they do here.
+// to the bit). A single row's loop was bound by those dependency chains, not by memory, and so
+// were two rows through tile_step's general loop (1.15-1.2x the time they take here).
 template <int BITS, int G, int MODE, int R>
 void tile_step_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups, const int8_t* xq,
                     const float* xs, const float* xc, int64_t r0, float* acc) {
@@ -262,9 +262,10 @@ void tile_step_row(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t
 }
 
 // Up to this many rows go through tile_step_rows in blocks of three and two (four rows: two and
-// two). On the xeon (2 threads, the 1.5B's gate/up and down, 6 processes alternating with the
-// loop before) 2-3 rows took 0.81-0.87x the time, 4 rows the same, 6-8 rows 0.63-0.93x; a block of
-// four (in registers) gained nothing over the general loop.
+// two). On the xeon (2 threads, the 1.5B's shapes, two A/B runs of 6 processes alternating with
+// the loop before) 2 rows took 0.83-0.87x the time and 8 rows 0.63-0.81x; 3-6 rows read
+// 0.78-1.24x, inside that VM's spread (unchanged 16-row calls read 1.02-1.28x), down's 4-6 rows the
+// dearest (its second block decodes a 143 KB tile pair again). A block of four gained nothing.
 constexpr int64_t kRegisterRowsMax = 8;
 
 // Columns of tiles [tile, tile + kTilesPerStep) for rows [r_begin, r_end): acc [r_end - r_begin, 32].
