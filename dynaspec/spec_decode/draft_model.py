@@ -41,6 +41,7 @@ from dynaspec.engine.sampler import (
     apply_penalties,
     coupled_draw,
     processed_probs,
+    top_probability,
 )
 from dynaspec.engine.static_pass import NO_SLOT, StepClock, block_table_rows, bucket_of, slots_of
 from dynaspec.engine.types import DeviceDrafts, DraftPass, Drafts, SchedulePlan, StepResult
@@ -241,9 +242,9 @@ class DraftModelProposer(Proposer):
                 tokens[:, j].index_copy_(0, idx, drawn)
                 top_p = top.values.tolist()
             else:
-                top = torch.softmax(logits[:, 0], -1).max(-1)  # [len(active)]
-                tokens[idx, j] = top.indices
-                top_p = top.values.tolist()
+                top_p, top = top_probability(logits[:, 0])  # [len(active)] each
+                tokens[idx, j] = top
+                top_p = top_p.tolist()
             for row, i in enumerate(active):
                 self.fed_drafts[plan.decodes[i].request_id] = j  # pass j fed drafts 0..j-1
                 if top_p[row] >= plan.min_draft_confidence:

@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from dynaspec.engine.kv_cache import allocate_kv_cache, fill_kv_noise, kv_bytes_per_token
-from dynaspec.engine.sampler import SamplingTensors, apply_penalties, coupled_draw, processed_probs
+from dynaspec.engine.sampler import (
+    SamplingTensors,
+    apply_penalties,
+    coupled_draw,
+    processed_probs,
+    top_probability,
+)
 from dynaspec.engine.types import DraftPass, Drafts, SchedulePlan, StepResult
 from dynaspec.models.attention import build_attention_metadata
 from dynaspec.models.qlinear import kernel_error
@@ -76,15 +82,15 @@ def draw_position(
     if sampling.penalties is not None:  # draft j's context: the output and drafts 0..j-1
         logits = apply_penalties(logits, sampling.penalties.rows(idx), draw.tokens.index_select(0, idx), j)
     if sampling.all_greedy:
-        top = torch.softmax(logits[:, 0], -1).max(-1)  # [len(rows)]
-        draw.tokens[idx, j] = top.indices if to_target is None else to_target[top.indices]
+        probability, top = top_probability(logits[:, 0])  # [len(rows)] each
+        draw.tokens[idx, j] = top if to_target is None else to_target[top]
     else:
         at = sampling.rows(idx)
         q = processed_probs(logits, at.temperature, at.top_k, at.top_p)[:, 0]  # [len(rows), vocab]
-        top = q.max(-1)
+        probability, top = q.max(-1)
         drawn = coupled_draw(q, at.seeds, at.positions + j)  # [len(rows)]
-        draw.tokens[:, j].index_copy_(0, idx, torch.where(at.temperature > 0, drawn, top.indices))
-    for row, p in zip(rows, top.values.tolist()):
+        draw.tokens[:, j].index_copy_(0, idx, torch.where(at.temperature > 0, drawn, top))
+    for row, p in zip(rows, probability.tolist()):
         if p >= min_confidence:
             draw.lens[row] = j + 1
             draw.confidence[row].append(p)

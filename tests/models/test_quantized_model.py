@@ -97,6 +97,27 @@ def test_quantized_model_matches_dequantized(ggufs, arch):
     assert (q.argmax(-1) == d.argmax(-1)).float().mean() >= 0.9
 
 
+def test_embedding_rows_kept_decoded_are_the_file_s_and_their_cache_is_bounded(ggufs):
+    source = resolve_model(ggufs["qwen2"], progress=False)
+    embed = load_model(source, "auto", torch.float32, CPU).model.embed_tokens
+    dense = load_model(source, "none", torch.float32, CPU).model.embed_tokens
+    hidden = embed.shape[1]
+    small = QuantEmbedding(embed.rows, embed.qtype, embed.shape, torch.float32, cache_bytes=5 * hidden * 4)
+    assert small.cache_rows == 5
+    rng = np.random.default_rng(0)
+    for n in [1, 2, 1, 3, 7, 1, 1, 4, 2, 1]:  # decode-sized lookups, repeats and ids beyond the cache
+        ids = torch.tensor(rng.integers(0, 12, size=n))
+        assert torch.equal(small(ids), dense(ids))
+        assert len(small.cache) <= 5
+    assert len(small.cache) > 0
+    last = int(ids[-1])
+    assert next(reversed(small.cache)) == last  # the most recent id is the last one out
+    prefill = torch.arange(3, 3 + QuantEmbedding.CACHE_LOOKUP_ROWS + 1)
+    kept = dict(small.cache)
+    assert torch.equal(small(prefill), dense(prefill))
+    assert small.cache.keys() == kept.keys()  # a prefill's lookup decodes directly
+
+
 @pytest.mark.skipif(kernel_error() is not None, reason="the C++ kernels do not build here")
 def test_forward_is_batch_invariant(ggufs):
     """A sequence's logits are bitwise the same prefilled at once, decoded token by token, or

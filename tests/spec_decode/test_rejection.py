@@ -7,7 +7,15 @@ import torch
 from support.sampling import sampling_rows
 from support.stats import CHI2_CRIT, chi2
 
-from dynaspec.engine.sampler import COUPLED_TOKENS, counter_uniforms, coupled_draw, processed_probs, sample_at
+from dynaspec.engine.sampler import (
+    COUPLED_TOKENS,
+    counter_uniforms,
+    coupled_draw,
+    greedy_tokens,
+    processed_probs,
+    sample_at,
+    top_probability,
+)
 from dynaspec.engine.types import Drafts
 from dynaspec.spec_decode.device_verify import verify_on_device
 from dynaspec.spec_decode.ngram import ngram_lookup
@@ -261,3 +269,21 @@ def test_counter_uniforms_are_uniform_and_independent_of_neighbours(along):
     assert abs(float((x * y).mean() / (x * x).mean())) < 4 / np.sqrt(n)
     big = counter_uniforms(torch.tensor([(1 << 63) - 1, 0]), torch.tensor([5, 5]))
     assert big[0] != big[1]  # the seed's high bits count
+
+
+def test_greedy_tokens_and_top_probability_are_torch_s_argmax_and_softmax_max():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 3, 1000, generator=g) * 4
+    logits[0, 1, [10, 500, 900]] = 50.0  # ties: the first maximum, as torch.argmax
+    logits[1, 2, 7] = float("nan")  # NaN wins, as in torch.argmax
+    logits[2, 0, :] = float("-inf")
+    logits[2, 0, 999] = 0.0
+    views = [logits, logits[:, 1], logits.transpose(0, 1), logits[:, :, ::2]]  # strided views too
+    for x in views + [x.bfloat16() for x in views]:
+        assert torch.equal(greedy_tokens(x), x.argmax(-1))
+    rows = logits[:, 0]  # no NaN: a softmax's maximum is defined
+    probability, top = top_probability(rows)
+    expected = torch.softmax(rows, -1).max(-1)
+    assert torch.equal(top, expected.indices)
+    assert torch.allclose(probability, expected.values, rtol=1e-5, atol=1e-7)
+    assert probability[2].item() == 1.0  # one finite logit: certain
