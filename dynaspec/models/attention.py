@@ -216,9 +216,12 @@ def paged_attention(
 
     Gathers use index_select: advanced indexing on a large cache is ~300x slower on CPU.
     """
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     plan = meta.rowwise
+    if plan is not None and k.dtype == v.dtype == torch.float32 and k.stride(-1) == v.stride(-1) == 1:
+        torch.ops.dynaspec.kv_write_(k_cache, v_cache, k, v, meta.slot_mapping)
+    else:
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if plan is not None:
         out = torch.ops.dynaspec.paged_attention_rows(
             q.float().contiguous(),

@@ -107,3 +107,30 @@ def test_a_sliding_window_sees_the_sinks_and_the_last_keys(rowwise):
             expected = torch.einsum("hk,khd->hd", scores.softmax(-1), values)
             torch.testing.assert_close(out[row].double(), expected, atol=1e-5, rtol=1e-5)
             row += 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_leaves_the_cache_as_index_copy_does(dtype):
+    g = torch.Generator().manual_seed(5)
+    n, kv_heads, d = 5, 2, 64
+    qkv = torch.randn(n, 4 * kv_heads * d, generator=g) * 300  # k and v as the projection's views
+    qkv[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40])  # odd values round too
+    k = qkv[:, kv_heads * d : 2 * kv_heads * d].reshape(n, kv_heads, d)
+    v = qkv[:, 3 * kv_heads * d :].reshape(n, kv_heads, d)
+    qkv[:, kv_heads * d :].view(n, -1)[0, 1] = float("nan")
+    slots = torch.tensor([9, 0, 4, 31, 12])
+    fused = (
+        torch.randn(32, kv_heads, d, generator=g).to(dtype),
+        torch.randn(32, kv_heads, d, generator=g).to(dtype),
+    )
+    reference = fused[0].clone(), fused[1].clone()
+    torch.ops.dynaspec.kv_write_(fused[0], fused[1], k, v, slots)
+    reference[0].index_copy_(0, slots, k.to(dtype))
+    reference[1].index_copy_(0, slots, v.to(dtype))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for a, b in zip(fused, reference):
+        assert torch.equal(a.isnan(), b.isnan())  # a NaN stays a NaN (torch's own bf16 NaN bits vary)
+        a, b = a.masked_fill(a.isnan(), 0), b.masked_fill(b.isnan(), 0)
+        assert torch.equal(a.view(bits), b.view(bits))  # bitwise elsewhere; other slots untouched
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        torch.ops.dynaspec.kv_write_(fused[0], fused[1], k, v, torch.tensor([1, 2, 3, 4, 32]))

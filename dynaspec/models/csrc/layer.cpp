@@ -146,8 +146,7 @@ struct DecoderStack : torch::CustomClassHolder {
       dynaspec_ops::rope_qk_(q, k, cos, sin);
       at::Tensor& kc = k_caches[l];
       at::Tensor& vc = v_caches[l];
-      kc.index_copy_(0, slot_mapping, k.to(kc.scalar_type()));
-      vc.index_copy_(0, slot_mapping, v.to(vc.scalar_type()));
+      dynaspec_ops::kv_write_(kc, vc, k, v, slot_mapping);
       const at::Tensor attn = dynaspec_ops::paged_attention_rows(q, kc, vc, slot_table, row_seq, row_len, scale);
       const at::Tensor o = L.o(attn.reshape({n, q_size}));
       std::tie(residual, h) = dynaspec_ops::add_rms_norm(o, residual.contiguous(), L.post_norm, eps);

@@ -17,6 +17,9 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& slot_table, const at::Tensor& row_seq,
                                 const at::Tensor& row_len, double scale);
 
+void kv_write_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& slot_mapping);
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w,
                                                 double eps);
