@@ -1,6 +1,7 @@
 """Host costs around a batch-1 step that are not the model's layers: the greedy argmax and a
 draft's top probability over a vocabulary (torch's ops against `greedy_tokens` and
-`top_probability`), and the GGUF token embedding's row lookups (the decode of a row that is not
+`top_probability`), a layer's K/V write into the cache (`.to` and two `index_copy_` against
+`kv_write_`), and the GGUF token embedding's row lookups (the decode of a row that is not
 kept, and how many decode-sized lookups the kept rows answer over MT-Bench requests).
 
     .venv/bin/python benchmarks/probes/host_costs.py [--requests 12] [--max-tokens 128] [--out F.json]
@@ -57,6 +58,24 @@ def main() -> None:
             print(f"  vocab {vocab:6d}, {rows} row(s): " + ", ".join(f"{k} {v}" for k, v in row.items()))
 
     engine = Engine(EngineConfig(model=args.model, max_num_seqs=1, kv_cache_memory_gb=1.0, progress=False))
+    cfg = engine.model_config
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    k_cache = torch.zeros(8192, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(1, cfg.num_attention_heads * cfg.head_dim + 2 * kv)  # one decode row's projection
+    k = qkv[:, -2 * kv : -kv].reshape(1, cfg.num_key_value_heads, cfg.head_dim).contiguous()
+    v = qkv[:, -kv:].reshape(1, cfg.num_key_value_heads, cfg.head_dim)
+    slot = torch.tensor([4321])
+
+    def aten_write():
+        k_cache.index_copy_(0, slot, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slot, v.to(v_cache.dtype))
+
+    out["kv_write_us_a_layer"] = {
+        "to + index_copy_": median_us(aten_write),
+        "kv_write_": median_us(lambda: torch.ops.dynaspec.kv_write_(k_cache, v_cache, k, v, slot)),
+    }
+    print("a layer's K/V write, one row, us (from Python): " + str(out["kv_write_us_a_layer"]))
     embed = engine.runner.model.model.embed_tokens
     if not isinstance(embed, QuantEmbedding):
         raise SystemExit(f"{args.model}: its embedding is not looked up from GGUF rows")
