@@ -68,9 +68,9 @@ class QuantEmbedding(nn.Module):
     """Token embedding looked up from a GGUF tensor's quantized rows, in place in the memory-mapped
     file: only the rows a batch needs are decoded (exactly, as `gguf_blocks` decodes them).
 
-    A decode step looks up one to a few tokens, and decoding even one row costs ~0.4 ms of NumPy
-    calls (1% of a batch-1 step; twice that with an EAGLE head, which reads the same table). So the
-    rows of small lookups are kept, decoded, least recently used first out, within
+    A decode step looks up one to a few tokens, and decoding even one row costs 0.1-0.5 ms of NumPy
+    calls (up to 1% of a batch-1 step; twice that with an EAGLE head, which reads the same table).
+    So the rows of small lookups are kept, decoded, least recently used first out, within
     ``cache_bytes``; a prefill's lookups (more than ``CACHE_LOOKUP_ROWS`` ids) decode directly."""
 
     CACHE_LOOKUP_ROWS = 64
