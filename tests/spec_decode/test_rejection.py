@@ -279,6 +279,7 @@ def test_greedy_tokens_and_top_probability_are_torch_s_argmax_and_softmax_max():
     logits[2, 0, :] = float("-inf")
     logits[2, 0, 999] = 0.0
     views = [logits, logits[:, 1], logits.transpose(0, 1), logits[:, :, ::2]]  # strided views too
+    views += [logits[0, 0], logits[:0, 0]]  # one row alone (a 0-d answer), no rows
     for x in views + [x.bfloat16() for x in views]:
         assert torch.equal(greedy_tokens(x), x.argmax(-1))
     rows = logits[:, 0]  # no NaN: a softmax's maximum is defined
