@@ -261,12 +261,14 @@ void tile_step_row(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t
   tile_step_rows<BITS, G, MODE, 1>(w, st, tile, groups, xq, xs, xc, r, acc);
 }
 
-// Up to this many rows go through tile_step_rows in blocks of three and two (four rows: two and
-// two). On the xeon (2 threads, the 1.5B's shapes, two A/B runs of 6 processes alternating with
-// the loop before) 2 rows took 0.83-0.87x the time and 8 rows 0.63-0.81x; 3-6 rows read
-// 0.78-1.24x, inside that VM's spread (unchanged 16-row calls read 1.02-1.28x), down's 4-6 rows the
-// dearest (its second block decodes a 143 KB tile pair again). A block of four gained nothing.
-constexpr int64_t kRegisterRowsMax = 8;
+// Up to this many rows go through tile_step_rows as one block (batch 1 verifying K = 1 or 2
+// drafts); more take the general loop, which decodes each tile once for all its rows. On the xeon
+// (2 threads, the 1.5B's shapes) 2 rows took 0.83-0.87x the general loop's time. Blocks of three
+// and two for 4-8 rows looked faster on weights held in cache (qmm_rows.py) but were slower on
+// weights streamed from memory, as in a model's pass, each block decoding the tiles again
+// (qmm_stream.py, 4 rounds alternating: Q6_K 8 rows 1,795 against 2,103 us a layer, Q6_K 4 rows
+// 1,522 against 1,667), and engine decode at batch 8 ran 81.5 tok/s with this limit against 70.5.
+constexpr int64_t kRegisterRowsMax = 3;
 
 // Columns of tiles [tile, tile + kTilesPerStep) for rows [r_begin, r_end): acc [r_end - r_begin, 32].
 template <int BITS, int G, int MODE>
@@ -279,7 +281,7 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
     for (int64_t r = r_begin; r < r_end;) {
       float* ar = acc + (r - r_begin) * kWidth;
       const int64_t left = r_end - r;
-      if (left >= 3 && left != 4) {
+      if (left >= 3) {
         tile_step_rows<BITS, G, MODE, 3>(w, st, tile, groups, xq, xs, xc, r, ar);
         r += 3;
       } else if (left >= 2) {
