@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 import torch
 
+from dynaspec.bench.common import median_ms
 from dynaspec.datasets import load_prompts
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.engine.sampler import greedy_tokens, top_probability
@@ -23,15 +23,8 @@ from dynaspec.models.build import QuantEmbedding
 from dynaspec.sampling_params import SamplingParams
 
 
-def median_us(fn, repeats: int = 2000) -> float:
-    for _ in range(50):  # warm-up
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(float(np.median(times)) * 1e6, 1)
+def median_us(fn, calls: int = 2000) -> float:
+    return round(median_ms(fn, calls, warmup=50) * 1000, 1)
 
 
 def main() -> None:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
+from dynaspec.bench.common import median_ms
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.models.attention import build_attention_metadata
 from dynaspec.sampling_params import SamplingParams
@@ -24,17 +23,6 @@ from dynaspec.sampling_params import SamplingParams
 
 def nbytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(module.buffers()) + list(module.parameters()))
-
-
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ import datetime
 import json
 import platform
 import socket
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,19 @@ def ms_per_call(fn: Callable[[], object], calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - start) / calls * 1000
+
+
+def median_ms(fn: Callable[[], object], calls: int, warmup: int = 3) -> float:
+    """The median milliseconds of ``calls`` timed calls of fn, after ``warmup`` untimed ones (a
+    median, not a mean: one call preempted on a shared CPU does not move it)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
 
 
 def command_args(args: argparse.Namespace) -> dict[str, Any]:
