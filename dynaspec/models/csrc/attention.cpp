@@ -545,8 +545,8 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, 
 // the cache holds the same bits as after index_copy_(0, slot_mapping, k.to(dtype)) (a NaN stays a
 // NaN, though not always with the bits torch's vectorized conversion gives it). One call for
 // what took four ATen calls and two temporaries (called from Python at one decode row: 17 against
-// 2.6 us a layer; from layer.cpp about 0.2 ms of a batch-1 step of the 1.5B). k, v [tokens, kv_heads, d] float32, any row strides (views of the q/k/v projection),
-// each head's d values contiguous; caches [slots, kv_heads, d] float32 or bfloat16, contiguous.
+// 2.6 us a layer; from layer.cpp about 0.2 ms of a batch-1 step of the 1.5B). k, v [tokens,
+// kv_heads, d] float32, any row strides (views of the q/k/v projection), each head's d values contiguous; caches [slots, kv_heads, d] float32 or bfloat16, contiguous.
 void kv_write_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& slot_mapping) {
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
