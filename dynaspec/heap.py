@@ -78,3 +78,18 @@ def reuse_freed_memory() -> bool:
     if not applied and _mallopt_fn() is not None:  # glibc, asked for, and it refused
         log.warning("mallopt refused the heap thresholds: large allocations keep mapping fresh pages")
     return applied
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the system now (glibc's malloc_trim): after a large
+    allocation has moved elsewhere (the weights, to huge pages), whatever threshold is set. Returns
+    whether it ran (glibc on Linux only)."""
+    mallopt = _mallopt_fn()
+    if mallopt is None:
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True

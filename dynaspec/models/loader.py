@@ -26,6 +26,7 @@ from dynaspec.models.build import build_model, effective_quantization
 from dynaspec.models.checkpoint import Checkpoint, DummyCheckpoint, GgufCheckpoint, SafetensorsCheckpoint
 from dynaspec.models.config import ModelConfig
 from dynaspec.models.gguf import FORMAT, SOURCE_RECORD, convert_gguf, source_record
+from dynaspec.models.hugepages import place_on_huge_pages
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.packs import GGUF_NAME, HF_DIR_NAME, PACKS, cache_root, is_cached, pack_dir, pull
 from dynaspec.models.tokenizer import Tokenizer
@@ -191,7 +192,7 @@ def load_model(
     progress: bool = False,
 ) -> LlamaModel:
     """The model of `source`, its weights read in place (or made up, for a dummy source) and built
-    in the quantization asked for."""
+    in the quantization asked for; on the CPU, held in 2 MiB pages (``hugepages``)."""
     config = source.config()
     mode = effective_quantization(quantization, source.is_gguf, device)
     # dummy weights re-quantized at load start from float32, as a checkpoint's dense values do
@@ -199,4 +200,5 @@ def load_model(
     checkpoint = source.checkpoint(config, made_in, device)
     model = build_model(config, checkpoint, mode, dtype, device, head_rows, progress)
     model.quantization = mode
+    model.huge_pages = place_on_huge_pages([model], device)  # CPU weights in 2 MiB pages
     return model

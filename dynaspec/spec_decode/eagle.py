@@ -33,6 +33,7 @@ from dynaspec.engine.sampler import (
 )
 from dynaspec.engine.types import DraftPass, Drafts, SchedulePlan, StepResult
 from dynaspec.models.attention import build_attention_metadata
+from dynaspec.models.hugepages import place_on_huge_pages
 from dynaspec.models.qlinear import kernel_error
 from dynaspec.spec_decode.eagle_head import EAGLE, EAGLE3, load_eagle_head, quantize_head
 from dynaspec.spec_decode.proposer import Proposer, ProposerContext, register_proposer
@@ -107,6 +108,7 @@ class EagleProposer(Proposer):
         self.head = load_eagle_head(spec_config.model, spec_config.method, target, ctx.dtype, ctx.device)
         self.dtype = self.head.fc.weight.dtype  # the head's activations (its linears may be quantized)
         quantize_head(self.head, spec_config.drafter_quantization(ctx.device.type, ctx.quantization))
+        self.huge_pages = place_on_huge_pages([self.head], ctx.device)  # CPU weights in 2 MiB pages
         self.embed = self.head.embed_tokens if self.head.embed_tokens is not None else ctx.target_embed
         self.vocab_size = target.vocab_size
         self.kv_dtype = ctx.kv_dtype or ctx.dtype
