@@ -163,10 +163,10 @@ def place_on_huge_pages(
     release_freed_memory()
     placement = Placement(moved, total, huge_resident_bytes(arena.data_ptr()), arena)
     log.info(
-        "%d weight tensors (%.2f GB) moved to a mapping %s huge pages: %s resident as huge pages",
+        "%d weight tensors (%.2f GB) moved to a mapping %s huge pages: %s of it in huge pages",
         moved,
-        "advised" if huge else "advised against",
         total / 1e9,
+        "advised" if huge else "advised against",
         "?" if placement.huge_bytes is None else f"{placement.huge_bytes / 1e9:.2f} GB",
     )
     return placement

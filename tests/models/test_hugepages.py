@@ -4,6 +4,8 @@ hold, and the places where it does not apply."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from support.tiny import make_tiny_gguf, make_tiny_model_dir
@@ -53,15 +55,17 @@ def test_a_loaded_model_s_weights_move_and_compute_the_same_bits(tmp_path, monke
 
 
 @needs_thp
-def test_views_move_together_and_large_tensors_sit_in_huge_pages():
+def test_views_move_together_and_large_tensors_sit_in_huge_pages(caplog):
     base = torch.randn(2, 1 << 20)  # 8 MiB: the mapping spans whole 2 MiB pages
     module = nn.Module()
     module.register_buffer("a", base[0])
     module.register_buffer("b", base[1])
     module.weight = nn.Parameter(torch.randn(1024, 1024), requires_grad=False)  # 4 MiB
     before = {name: t.clone() for name, t in [*module.named_buffers(), *module.named_parameters()]}
-    p = hugepages.place_on_huge_pages([module], CPU)
+    with caplog.at_level(logging.INFO, logger=hugepages.__name__):
+        p = hugepages.place_on_huge_pages([module], CPU)
     assert p is not None and p.tensors == 3
+    assert "3 weight tensors (0.01 GB) moved to a mapping advised huge pages" in caplog.text
     assert module.a.untyped_storage().data_ptr() == module.b.untyped_storage().data_ptr()
     assert module.b.data_ptr() - module.a.data_ptr() == (1 << 20) * 4  # still one after the other
     for name, t in [*module.named_buffers(), *module.named_parameters()]:
