@@ -29,6 +29,7 @@ from torch import nn
 from dynaspec.models.checkpoint import Checkpoint, StateDictCheckpoint
 from dynaspec.models.config import ModelConfig
 from dynaspec.models.gguf_blocks import GroupedWeight, concat_rows, decode_blocks, layout, select_rows
+from dynaspec.models.hugepages import weight_arena
 from dynaspec.models.llama import Linear, LlamaModel, RotaryEmbedding
 from dynaspec.models.qlinear import QuantLinear, quantize_dense
 
@@ -192,6 +193,10 @@ def build_model(
         raise ValueError(f"draft_vocab_size: must be in [1, {config.vocab_size}], got {head_rows}")
     with torch.device("meta"):
         model = LlamaModel(config)
+    # on a Linux CPU the weights go, as each layer is built, into one mapping of 2 MiB pages
+    # (hugepages.py): each layer's transient tensors are freed as the next is built, so their pages
+    # are reused and the process faults in the model's pages about once
+    arena = weight_arena(_weight_bytes_bound(config, mode, dtype, head_rows), device)
     missing = sorted(n for n in required_names(config) if n not in checkpoint.names)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
@@ -236,6 +241,8 @@ def build_model(
             elif (raw_head := checkpoint.embedding_rows(head_name)) is not None:
                 model.head_lookup = QuantEmbedding(*raw_head, dtype=dtype)
         model.lm_head = build_linear([(head_name, head, None)], mode, dtype, device)
+        if arena is not None:
+            arena.place([model.lm_head])
 
     def build_layer(i: int) -> None:
         layer = model.model.layers[i]
@@ -261,6 +268,8 @@ def build_model(
                 getattr(layer.self_attn, norm).weight = dense_param(
                     f"{prefix}self_attn.{norm}.weight", (config.head_dim,)
                 )
+        if arena is not None:
+            arena.place([layer])
 
     # decoding and packing are numpy/torch/C++ array work that releases the GIL: tensors in parallel,
     # the head (the largest) first, so its temporaries come before most layers are resident
@@ -275,7 +284,26 @@ def build_model(
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"build_model left {left[0]} unset")
+    model.huge_pages = None
+    if arena is not None:
+        arena.place([model])  # what the layers and the head left: a dense embedding
+        model.huge_pages = arena.finish()
     return model.eval()
+
+
+def _weight_bytes_bound(config: ModelConfig, mode: str, dtype: torch.dtype, head_rows: int | None) -> int:
+    """More bytes than the built model's weights take: an arena's capacity (only what is used is
+    ever resident). Quantized layers take at most a byte a code plus their scales (f32 scale and
+    offset per group of 16 at worst) and 32-column padding."""
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
+    weights = (
+        config.num_hidden_layers * per_layer + ((head_rows or config.vocab_size) + config.vocab_size) * hidden
+    )
+    per_weight = torch.finfo(dtype).bits / 8 if mode == "none" else 1.5
+    return int(weights * per_weight) + (64 << 20)
 
 
 def required_names(config: ModelConfig) -> list[str]:

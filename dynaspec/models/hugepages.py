@@ -6,14 +6,16 @@ that is some 250,000 pages a step, each a TLB miss and a page walk, which in a v
 the guest's and the host's tables both. PyTorch's CPU allocator asks for no huge pages (unless
 THP_MEM_ALLOC_ENABLE is set before its first allocation), and with the kernel's default
 ``transparent_hugepage/enabled = madvise`` memory gets them only where it is advised. So the
-loader copies each model's tensors of at least ``MIN_BYTES`` into one mapping advised
-MADV_HUGEPAGE, its data starting on a 2 MiB boundary, and points the tensors at their copies
-(``Tensor.set_``: modules, and the C++ decoder stack that holds the same tensors, keep working on
-the same objects). The bits are the same; only the pages change. On the 2-core AMX xeon, streamed
-quantized matmuls ran 2-7% faster, in one process against the same weights in 4 KiB pages
-(results record, "Weights in 2 MiB pages"); whole decode steps gain less than that VM's noise.
-The copy adds about 0.2-1 s to loading the 1.5B target; each span's old pages go back as the copy
-goes on (RELEASE_EVERY), so peak memory rises by about the largest tensor, not by the model.
+loader (``build.build_model``) reserves an ``Arena``, one mapping advised MADV_HUGEPAGE whose data
+starts on a 2 MiB boundary, and as each layer (and the head) is built copies its tensors of at least
+``MIN_BYTES`` there and points them at their copies (``Tensor.set_``: modules, and the C++ decoder
+stack that holds the same tensors, keep working on the same objects). The layer's own allocations
+are freed while the next is built, so their pages are reused: loading faults in the model's pages
+about once, as before, and took no longer within the VM's noise (peak RSS +50-85 MB on the 1.5B).
+``place_on_huge_pages`` moves modules already built (an EAGLE head; the A/B probe). The bits are
+the same; only the pages change. On the 2-core AMX xeon, streamed quantized matmuls ran 2-7%
+faster, in one process against the same weights in 4 KiB pages (results record, "Weights in 2 MiB
+pages"); whole decode steps gain less than that VM's noise.
 
 It is skipped off Linux, off the CPU, where the kernel's setting is ``never``, and with
 DYNASPEC_HUGE_PAGES=0 in the environment. ``Placement.huge_bytes`` says how much of the mapping the
@@ -28,6 +30,7 @@ import logging
 import mmap
 import os
 import sys
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +47,7 @@ MIN_BYTES = 1 << 16  # smaller tensors (norms, biases) stay where they are
 ALIGN = 64  # each copy starts on a cache line, as PyTorch's allocator places tensors
 GUARD = mmap.PAGESIZE
 RELEASE_EVERY = 64 << 20  # bytes copied between giving the old pages back
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # an arena's unused capacity commits nothing
 OPT_OUT = "DYNASPEC_HUGE_PAGES"  # set to 0: leave the weights in the allocator's pages
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -112,13 +116,107 @@ def _spans(modules: list[nn.Module]) -> list[_Span]:
     return spans
 
 
+class Arena:
+    """One anonymous mapping advised for huge pages (or, ``huge`` False, against them), filled front
+    to back by ``place``: ``capacity`` bytes from a 2 MiB boundary, then an inaccessible guard page,
+    so the kernel cannot merge it with a neighbouring mapping (another model's) and /proc/self/smaps
+    reports this one's huge pages alone. Pages cost memory only once a copy touches them, so the
+    capacity may be a generous bound. Thread-safe (the loader places layers from its pool)."""
+
+    def __init__(self, capacity: int, huge: bool = True) -> None:
+        self.huge = huge
+        size = -(-(capacity + HUGE_PAGE) // GUARD) * GUARD + GUARD  # whole pages, the last the guard
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+        # before any page is touched: each fault takes a 2 MiB page
+        mapping.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+        # over all but the guard page; it holds the mapping while tensors use it
+        self.buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=size - GUARD)
+        _protect_none(self.buffer.data_ptr() + self.buffer.numel(), GUARD)
+        self.start = -self.buffer.data_ptr() % HUGE_PAGE
+        self.capacity = capacity
+        self.used = 0
+        self.tensors = 0
+        self._lock = threading.Lock()
+
+    def _take(self, nbytes: int) -> int | None:
+        """The offset (in ``buffer``) of ``nbytes`` of free space, or None when it is full."""
+        with self._lock:
+            if self.used + nbytes > self.capacity:
+                return None
+            at, self.used = self.start + self.used, self.used + -(-nbytes // ALIGN) * ALIGN
+            return at
+
+    def place(self, modules: Iterable[nn.Module]) -> int:
+        """Copy the modules' large CPU tensors not yet here into the arena and point them at their
+        copies; returns how many moved (a span that no longer fits stays where it is)."""
+        whole = self.buffer.untyped_storage()
+        spans = [s for s in _spans(list(modules)) if s.storage.data_ptr() != whole.data_ptr()]
+        moved = unreleased = 0
+        with torch.no_grad():
+            for span in spans:
+                at = self._take(span.hi - span.lo)
+                if at is None:
+                    log.warning(
+                        "weight arena full: %d bytes stay in the allocator's pages", span.hi - span.lo
+                    )
+                    continue
+                source = torch.tensor([], dtype=torch.uint8).set_(span.storage)[span.lo : span.hi]
+                self.buffer[at : at + span.hi - span.lo].copy_(source)
+                for t in span.tensors:
+                    byte = at + t.storage_offset() * t.element_size() - span.lo
+                    t.set_(whole, byte // t.element_size(), t.size(), t.stride())
+                    moved += 1
+                # the old storage goes with its last references; its pages go back as the copy
+                # goes on, so a whole model's move peaks at the model plus RELEASE_EVERY
+                del source
+                span.storage, span.tensors = None, []
+                unreleased += span.hi - span.lo
+                if unreleased >= RELEASE_EVERY:
+                    release_freed_memory()
+                    unreleased = 0
+        with self._lock:
+            self.tensors += moved
+        return moved
+
+    def finish(self) -> Placement:
+        """What the arena holds, logged; the heap's freed pages go back to the system."""
+        release_freed_memory()
+        placement = Placement(
+            self.tensors, self.used, huge_resident_bytes(self.buffer.data_ptr()), self.buffer
+        )
+        log.info(
+            "%d weight tensors (%.2f GB) moved to a mapping %s huge pages: %s of it in huge pages",
+            placement.tensors,
+            placement.bytes / 1e9,
+            "advised" if self.huge else "advised against",
+            "?" if placement.huge_bytes is None else f"{placement.huge_bytes / 1e9:.2f} GB",
+        )
+        return placement
+
+
+def weight_arena(capacity: int, device: torch.device) -> Arena | None:
+    """An arena of at most ``capacity`` bytes for a model the loader is about to build on
+    ``device``, or None where huge pages do not apply (``unavailable``) or the mapping is refused."""
+    why = unavailable(device)
+    if why is not None:
+        log.debug("weights stay in the allocator's pages: %s", why)
+        return None
+    try:
+        return Arena(capacity)
+    except OSError as e:  # e.g. strict overcommit refusing the reservation
+        log.warning(
+            "weights stay in the allocator's pages: a %.1f GB mapping was refused (%s)", capacity / 1e9, e
+        )
+        return None
+
+
 def place_on_huge_pages(
     modules: Iterable[nn.Module], device: torch.device, huge: bool = True
 ) -> Placement | None:
-    """Move the modules' large CPU tensors into one mapping advised as huge pages (see the module
+    """Move built modules' large CPU tensors into an arena of their size (see the module
     docstring); None where that cannot be done (``unavailable``) or nothing is large enough. With
-    ``huge`` False the mapping is advised against them (4 KiB pages, the same layout: the control
-    of an A/B, benchmarks/probes/huge_pages_ab.py)."""
+    ``huge`` False the mapping is advised against huge pages (4 KiB pages, the same layout: the
+    control of an A/B, benchmarks/probes/huge_pages_ab.py)."""
     modules = list(modules)
     why = unavailable(device)
     if why is not None:
@@ -127,49 +225,10 @@ def place_on_huge_pages(
     spans = _spans(modules)
     if not spans:
         return None
-    offsets, total = [], 0
-    for span in spans:
-        offsets.append(total)
-        total += -(-(span.hi - span.lo) // ALIGN) * ALIGN
-    size = -(-(total + HUGE_PAGE) // GUARD) * GUARD + GUARD  # whole pages, the last one the guard
-    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # before any page is touched: each fault takes a 2 MiB page
-    mapping.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
-    # over all but the guard page (below); it holds the mapping while tensors use it
-    arena = torch.frombuffer(mapping, dtype=torch.uint8, count=size - GUARD)
-    start = -arena.data_ptr() % HUGE_PAGE
-    # its last page inaccessible: the kernel cannot merge it with a neighbouring mapping (another
-    # model's), so /proc/self/smaps reports this one's huge pages alone
-    _protect_none(arena.data_ptr() + arena.numel(), GUARD)
-    whole = arena.untyped_storage()
-    moved = unreleased = 0
-    with torch.no_grad():
-        for span, offset in zip(spans, offsets):
-            at = start + offset
-            source = torch.tensor([], dtype=torch.uint8).set_(span.storage)[span.lo : span.hi]
-            arena[at : at + span.hi - span.lo].copy_(source)
-            for t in span.tensors:
-                byte = at + t.storage_offset() * t.element_size() - span.lo
-                t.set_(whole, byte // t.element_size(), t.size(), t.stride())
-                moved += 1
-            # the old storage goes with its last references; its pages go back as the copy goes
-            # on, so the peak is the model plus RELEASE_EVERY, not two models
-            del source
-            span.storage, span.tensors = None, []
-            unreleased += span.hi - span.lo
-            if unreleased >= RELEASE_EVERY:
-                release_freed_memory()
-                unreleased = 0
-    release_freed_memory()
-    placement = Placement(moved, total, huge_resident_bytes(arena.data_ptr()), arena)
-    log.info(
-        "%d weight tensors (%.2f GB) moved to a mapping %s huge pages: %s of it in huge pages",
-        moved,
-        total / 1e9,
-        "advised" if huge else "advised against",
-        "?" if placement.huge_bytes is None else f"{placement.huge_bytes / 1e9:.2f} GB",
-    )
-    return placement
+    arena = Arena(sum(-(-(s.hi - s.lo) // ALIGN) * ALIGN for s in spans), huge=huge)
+    del spans
+    arena.place(modules)
+    return arena.finish()
 
 
 def _protect_none(address: int, size: int) -> None:

@@ -26,7 +26,6 @@ from dynaspec.models.build import build_model, effective_quantization
 from dynaspec.models.checkpoint import Checkpoint, DummyCheckpoint, GgufCheckpoint, SafetensorsCheckpoint
 from dynaspec.models.config import ModelConfig
 from dynaspec.models.gguf import FORMAT, SOURCE_RECORD, convert_gguf, source_record
-from dynaspec.models.hugepages import place_on_huge_pages
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.packs import GGUF_NAME, HF_DIR_NAME, PACKS, cache_root, is_cached, pack_dir, pull
 from dynaspec.models.tokenizer import Tokenizer
@@ -200,5 +199,4 @@ def load_model(
     checkpoint = source.checkpoint(config, made_in, device)
     model = build_model(config, checkpoint, mode, dtype, device, head_rows, progress)
     model.quantization = mode
-    model.huge_pages = place_on_huge_pages([model], device)  # CPU weights in 2 MiB pages
     return model

@@ -93,6 +93,22 @@ def test_views_copy_what_they_cover_and_sparse_ones_stay():
     assert module.head.data_ptr() == big.data_ptr()
 
 
+@needs_thp
+def test_a_full_arena_leaves_what_does_not_fit_where_it_is(caplog):
+    module = nn.Module()
+    module.register_buffer("a", torch.randn(1 << 18))  # 1 MiB each
+    module.register_buffer("b", torch.randn(1 << 18))
+    b_at, b = module.b.data_ptr(), module.b.clone()
+    arena = hugepages.Arena(1 << 20)
+    with caplog.at_level(logging.WARNING, logger=hugepages.__name__):
+        assert arena.place([module]) == 1
+    assert "weight arena full: 1048576 bytes stay" in caplog.text
+    assert module.b.data_ptr() == b_at and torch.equal(module.b, b)
+    p = arena.finish()
+    assert p.tensors == 1 and p.bytes == 1 << 20 and _inside(module.a, p)
+    assert arena.place([module]) == 0  # a is there already; b still does not fit
+
+
 def test_where_it_does_not_apply(monkeypatch):
     assert hugepages.unavailable(torch.device("cuda")) == "the weights are on cuda"
     monkeypatch.setenv(hugepages.OPT_OUT, "0")
