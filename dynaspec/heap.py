@@ -40,14 +40,23 @@ ARENA_ENV = {"MALLOC_ARENA_MAX": "1"}  # the same as one_arena, read by glibc wh
 
 
 @functools.cache
-def _mallopt_fn():
-    """glibc's mallopt, loaded once; None off glibc or with the opt-out set."""
-    if not sys.platform.startswith("linux") or os.environ.get(OPT_OUT, "") not in ("", "0"):
+def libc() -> ctypes.CDLL | None:
+    """The C library, loaded once (``find_library`` runs ldconfig: not something to repeat); None
+    off Linux or where it cannot be loaded."""
+    if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
         return None
+
+
+@functools.cache
+def _mallopt_fn():
+    """glibc's mallopt; None off glibc or with the opt-out set."""
+    if os.environ.get(OPT_OUT, "") not in ("", "0"):
+        return None
+    return getattr(libc(), "mallopt", None)  # musl has none
 
 
 def _mallopt(*settings: tuple[int, int]) -> bool:
@@ -83,13 +92,9 @@ def reuse_freed_memory() -> bool:
 def release_freed_memory() -> bool:
     """Give the heap's free pages back to the system now (glibc's malloc_trim): after a large
     allocation has moved elsewhere (the weights, to huge pages), whatever threshold is set. Returns
-    whether it ran (glibc on Linux only)."""
-    mallopt = _mallopt_fn()
-    if mallopt is None:
-        return False
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    whether it ran (glibc on Linux only, without the opt-out)."""
+    trim = getattr(libc(), "malloc_trim", None) if _mallopt_fn() is not None else None
+    if trim is None:
         return False
     trim(0)
     return True

@@ -25,7 +25,6 @@ kernel did back with huge pages (it may give fewer when physical memory is fragm
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dynaspec.heap import release_freed_memory
+from dynaspec.heap import libc, release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -194,15 +193,16 @@ class Arena:
         return placement
 
 
-def weight_arena(capacity: int, device: torch.device) -> Arena | None:
-    """An arena of at most ``capacity`` bytes for a model the loader is about to build on
-    ``device``, or None where huge pages do not apply (``unavailable``) or the mapping is refused."""
+def weight_arena(capacity: int, device: torch.device, huge: bool = True) -> Arena | None:
+    """An arena of at most ``capacity`` bytes for weights on ``device`` (``huge`` False: advised
+    against huge pages), or None where huge pages do not apply (``unavailable``) or the mapping is
+    refused."""
     why = unavailable(device)
     if why is not None:
         log.debug("weights stay in the allocator's pages: %s", why)
         return None
     try:
-        return Arena(capacity)
+        return Arena(capacity, huge)
     except OSError as e:  # e.g. strict overcommit refusing the reservation
         log.warning(
             "weights stay in the allocator's pages: a %.1f GB mapping was refused (%s)", capacity / 1e9, e
@@ -214,31 +214,23 @@ def place_on_huge_pages(
     modules: Iterable[nn.Module], device: torch.device, huge: bool = True
 ) -> Placement | None:
     """Move built modules' large CPU tensors into an arena of their size (see the module
-    docstring); None where that cannot be done (``unavailable``) or nothing is large enough. With
+    docstring); None where that cannot be done (``weight_arena``) or nothing is large enough. With
     ``huge`` False the mapping is advised against huge pages (4 KiB pages, the same layout: the
     control of an A/B, benchmarks/probes/huge_pages_ab.py)."""
     modules = list(modules)
-    why = unavailable(device)
-    if why is not None:
-        log.debug("weights stay in the allocator's pages: %s", why)
+    size = sum(-(-(s.hi - s.lo) // ALIGN) * ALIGN for s in _spans(modules))
+    arena = weight_arena(size, device, huge) if size else None
+    if arena is None:
         return None
-    spans = _spans(modules)
-    if not spans:
-        return None
-    arena = Arena(sum(-(-(s.hi - s.lo) // ALIGN) * ALIGN for s in spans), huge=huge)
-    del spans
     arena.place(modules)
     return arena.finish()
 
 
 def _protect_none(address: int, size: int) -> None:
-    """mprotect(PROT_NONE) on a page-aligned range (libc through ctypes; a no-op if that fails)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return
-    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    libc.mprotect(address, size, 0)  # PROT_NONE
+    """mprotect(PROT_NONE) on a page-aligned range (a no-op where libc cannot be loaded)."""
+    c = libc()
+    if c is not None:
+        c.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(size), 0)  # 0: PROT_NONE
 
 
 def huge_resident_bytes(address: int) -> int | None:
