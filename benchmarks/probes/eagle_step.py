@@ -1,8 +1,10 @@
 """Where an EAGLE head's decode step goes at batch 1: step time, the target's pass and the head's
-passes, at K=0 and K=k, on one MT-Bench prompt (greedy, 40 tokens).
+passes, at K=0 and K=k, on one MT-Bench prompt (greedy, 40 tokens); with --draft-model instead of
+a head, the same for a draft model's passes.
 
     .venv/bin/python benchmarks/probes/eagle_step.py bench-results/heads/qwen15-eagle3 --k 3 \
         [--draft-quantization int8]
+    .venv/bin/python benchmarks/probes/eagle_step.py --draft-model qwen2.5-coder-0.5b-instruct --k 1
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ from dynaspec.sampling_params import SamplingParams
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("head", help="an EAGLE-3 checkpoint directory")
+    ap.add_argument("head", nargs="?", help="an EAGLE-3 checkpoint directory")
+    ap.add_argument("--draft-model", help="a draft model (pack name or path) instead of a head")
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--draft-quantization", choices=["none", "int8", "int4"], help="the head's linears")
     args = ap.parse_args()
-    spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k}
+    if (args.head is None) == (args.draft_model is None):
+        ap.error("give an EAGLE-3 head or --draft-model, one of the two")
+    method, drafter = ("eagle3", args.head) if args.head else ("draft_model", args.draft_model)
+    spec = {"method": method, "model": drafter, "num_speculative_tokens": args.k}
     if args.draft_quantization:
         spec["draft_quantization"] = args.draft_quantization
     config = EngineConfig(
@@ -47,7 +53,7 @@ def main() -> None:
         head_ms = sum(passes) / len(passes) if passes else 0.0
         print(
             f"K={k}: {steps} steps, {step_ms:.1f} ms a step, target pass {target_ms:.1f} ms, "
-            f"{len(passes)} head passes of {head_ms:.1f} ms"
+            f"{len(passes)} drafter passes of {head_ms:.1f} ms"
         )
 
 
