@@ -194,8 +194,7 @@ def build_model(
     with torch.device("meta"):
         model = LlamaModel(config)
     # on a Linux CPU the weights go, as each layer is built, into one mapping of 2 MiB pages
-    # (hugepages.py): each layer's transient tensors are freed as the next is built, so their pages
-    # are reused and the process faults in the model's pages about once
+    # (hugepages.py); each layer's own tensors are freed as the next is built
     arena = weight_arena(_weight_bytes_bound(config, mode, dtype, head_rows), device)
     missing = sorted(n for n in required_names(config) if n not in checkpoint.names)
     if missing:

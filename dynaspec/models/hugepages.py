@@ -10,8 +10,10 @@ loader (``build.build_model``) reserves an ``Arena``, one mapping advised MADV_H
 starts on a 2 MiB boundary, and as each layer (and the head) is built copies its tensors of at least
 ``MIN_BYTES`` there and points them at their copies (``Tensor.set_``: modules, and the C++ decoder
 stack that holds the same tensors, keep working on the same objects). The layer's own allocations
-are freed while the next is built, so their pages are reused: loading faults in the model's pages
-about once, as before, and took no longer within the VM's noise (peak RSS +50-85 MB on the 1.5B).
+are freed while the next is built, but the arena's pages are faulted in on top of them: the 1.5B's
+start to first token took about 1 s more on the xeon (`bench footprint`), peak RSS 0.03-0.1 GiB
+more. Packing each weight straight into the arena (``pack_tiles`` writing into a slice of it) would
+remove that; it is not done.
 ``place_on_huge_pages`` moves modules already built (an EAGLE head; the A/B probe). The bits are
 the same; only the pages change. On the 2-core AMX xeon, streamed quantized matmuls ran 2-7%
 faster, in one process against the same weights in 4 KiB pages (results record, "Weights in 2 MiB
