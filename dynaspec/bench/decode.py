@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             load_format=args.load_format,
             max_num_seqs=max(sizes),
+            enable_prefix_caching=False,  # repeats send the same prompts: each must prefill afresh
             # 64 KB a token of context: twice the 1.5B's K/V, room for a larger model's
             kv_cache_memory_gb=1.0 + max(sizes) * (args.context + args.max_tokens) * 64e3 / 1e9,
         )

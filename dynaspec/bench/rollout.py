@@ -337,6 +337,9 @@ def run(args: argparse.Namespace) -> int:
     max_k = max([*fixed_ks, *deepest_k])
     num_requests = args.num_prompts * args.samples_per_prompt
     kwargs = engine_kwargs(args)
+    # rounds and configurations repeat the prompts, which a prefix cache would make cheaper the second
+    # time: off unless --enable-prefix-caching asks for it, and then each run starts with it empty
+    kwargs["enable_prefix_caching"] = bool(args.enable_prefix_caching)
     kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], num_requests)
     kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], num_requests * (max_k + 1))
     engines = {"none": Engine(EngineConfig(model=args.model, **{**kwargs, "speculative_config": None}))}
@@ -396,6 +399,7 @@ def run(args: argparse.Namespace) -> int:
                 engine.set_k_policy(_Traced(factory()))
                 engine.proposer.reset()  # no config drafts from another's outputs (a suffix cache)
                 engine.proposer.window = w  # no request is running: each catches up afresh
+            engine.reset_prefix_cache()  # a later epoch takes the blocks of earlier ones (RL's reuse)
             for epoch, tag in enumerate(epochs):  # later epochs keep what the proposer learned
                 results[name + tag].append(rollout(engine, prompts, params(rnd, epoch)))
                 done = results[name + tag][-1]

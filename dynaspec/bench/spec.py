@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         load_format=args.load_format,
         max_num_seqs=1,
         kv_cache_memory_gb=1.0,
+        enable_prefix_caching=False,  # each prompt runs once per configuration: all start cold
     )
     draft_spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": max(ks)}
     if args.draft_quantization:

@@ -179,6 +179,9 @@ def run(args: argparse.Namespace) -> int:
     max_k = max([*fixed_ks, profiled_k])
     prompts = load_prompts(args.dataset, chat=True)
     kwargs = engine_kwargs(args)
+    # rounds and configurations repeat the prompts, which a prefix cache would make cheaper the second
+    # time: off unless --enable-prefix-caching asks for it, and then each run starts with it empty
+    kwargs["enable_prefix_caching"] = bool(args.enable_prefix_caching)
     kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], max(concurrencies))
     kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], max(concurrencies) * (max_k + 1))
     spec_dict = {**spec.to_dict(), "num_speculative_tokens": max_k}
@@ -282,6 +285,7 @@ def _run_config(
     if name != "none":
         engine.set_k_policy(policies[name]())  # fresh: no acceptance or cost history carried over
         engine.proposer.reset()  # nor a proposer's memory of earlier outputs (a suffix cache)
+    engine.reset_prefix_cache()  # nor another run's prompt blocks
     with engine.recording() as run:
         wall, requests, tpot = closed_loop(engine, prompts, concurrency, params)
     drafts, accepted = run.spec.num_drafts, run.spec.num_accepted_tokens

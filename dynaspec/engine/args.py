@@ -43,6 +43,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
         help="no CUDA graphs: decode steps on fixed shapes run eagerly (CUDA; graphs are the default there)",
     )
     g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the K/V of prompt blocks already computed (default: on, except with a draft model "
+        "or EAGLE head, whose own K/V live in the same blocks)",
+    )
+    g.add_argument(
         "--batch-invariant",
         action="store_true",
         help="fixed-shape steps whose rows do not depend on each other: greedy speculation equals plain "
@@ -64,6 +71,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

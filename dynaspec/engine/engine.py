@@ -63,6 +63,10 @@ class EngineConfig:
     # fixed-shape steps whose rows do not depend on each other (models/fused_ops.py BATCH_INVARIANT,
     # process-wide): greedy speculation equals plain decoding in bfloat16 too, at a cost on the GPU
     batch_invariant: bool = False
+    # vLLM's flag: share the K/V of prompt blocks already computed (kv_cache.BlockAllocator). None:
+    # on unless the proposer keeps K/V of its own in the shared block tables (a draft model, an
+    # EAGLE head), whose shared blocks would hold one request's drafter K/V for another's
+    enable_prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -98,6 +102,7 @@ class EngineCounters:
     num_steps: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache
     chosen_k: int = 0  # the K chosen for the load at the last step with decodes
     spec: SpecStats = field(default_factory=SpecStats)
 
@@ -149,7 +154,7 @@ class Engine:
             log.warning("max_model_len %d exceeds the KV budget (%d tokens); capping it", max_len, capacity)
             max_len = capacity
         self.max_model_len = max_len
-        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.allocator = BlockAllocator(num_blocks, config.block_size, self._prefix_caching(spec))
         self.runner = ModelRunner(
             model,
             num_blocks * config.block_size,
@@ -188,6 +193,38 @@ class Engine:
         elif spec is not None:
             self._k_policy = make_policy(spec)
 
+    def _prefix_caching(self, spec: SpeculativeConfig | None) -> bool:
+        wanted = self.config.enable_prefix_caching
+        if self.proposer.kv_bytes_per_token() == 0:
+            return wanted is not False
+        if wanted:
+            raise ValueError(
+                f"enable_prefix_caching: not with speculative_config.method {spec.method!r}: its "
+                "drafter keeps K/V in the requests' block tables, which shared blocks would mix up "
+                "(use ngram or suffix drafts, or leave prefix caching off)"
+            )
+        return False
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.allocator.prefix_caching
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block (a benchmark's next configuration starts cold)."""
+        self.allocator.reset_prefix_cache()
+
+    @contextlib.contextmanager
+    def prefix_caching_off(self) -> Iterator[None]:
+        """No block is shared or cached inside the block (the profiler times prefills as asked);
+        the cache is empty after it."""
+        was = self.allocator.prefix_caching
+        self.allocator.reset_prefix_cache()
+        self.allocator.prefix_caching = False
+        try:
+            yield
+        finally:
+            self.allocator.prefix_caching = was
+
     def _enable_static(self) -> dict:
         """Decode-only steps on fixed shapes, captured as CUDA graphs for every batch bucket and K
         (on CUDA, unless ``enforce_eager``): capture time and graph memory, or {} when off."""
@@ -218,6 +255,7 @@ class Engine:
     def _reset_counters(self) -> None:
         """Statistics, request ids and seeds start afresh (after the engine's own profiling)."""
         self.counters = EngineCounters()
+        self.allocator.num_evicted = 0
         self._seeds = random.Random(self.config.seed)
         self._ids = itertools.count()
 
@@ -354,6 +392,8 @@ class Engine:
         c = self.counters
         c.num_steps += 1
         c.num_generated_tokens += sum(len(t) for t in record.result.token_ids)
+        cached = (p.request.num_cached_tokens for p in record.plan.prefills if p.first)
+        c.num_cached_prompt_tokens += sum(cached)
         if record.plan.num_decodes:
             c.chosen_k = record.plan.chosen_k
         c.spec.observe(record)
@@ -363,6 +403,16 @@ class Engine:
             recording.spec.observe(record)
             recording.timings.append(record.timing)
 
+    def _prefix_cache_stats(self) -> dict:
+        c, a = self.counters, self.allocator
+        return {
+            "enabled": a.prefix_caching,
+            "cached_prompt_tokens": c.num_cached_prompt_tokens,
+            "hit_rate": round(c.num_cached_prompt_tokens / max(1, c.num_prompt_tokens), 4),
+            "cached_blocks": a.num_cached_blocks,
+            "evicted_blocks": a.num_evicted,
+        }
+
     def stats(self) -> dict:
         out = {
             "num_steps": self.counters.num_steps,
@@ -370,6 +420,7 @@ class Engine:
             "num_generated_tokens": self.counters.num_generated_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": round(self.allocator.usage, 4),
+            "prefix_cache": self._prefix_cache_stats(),
         }
         if self.config.speculative_config is not None:
             out["spec"] = self.counters.spec.to_dict()

@@ -3,10 +3,14 @@
 Every model (target and draft) keeps one flat K and one flat V tensor per layer of
 ``num_blocks * block_size`` slots; a request's block table names its blocks, and the same table
 addresses its K/V in every model's cache. Tokens past ``num_computed_tokens`` (e.g. rejected
-drafts) are simply overwritten later: discarding them costs nothing.
+drafts) are simply overwritten later: discarding them costs nothing. With prefix caching, full
+blocks are also kept by content and shared between requests whose tokens start alike; a request
+only ever writes past its computed tokens, so a shared (full, computed) block is never written.
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
@@ -18,19 +22,39 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    """Blocks handed out to requests, and with ``prefix_caching`` a cache of full blocks by
+    content: a block whose tokens (and every token before them) a request computed is registered
+    under its content key (``request.block_key``); a later request whose prompt starts with the
+    same blocks takes them (``acquire``: shared, reference-counted) instead of computing them. A
+    registered block no request holds stays cached until a new block is needed and no plain free
+    block is left; then the least recently released goes first (a request's last blocks before
+    its first)."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self.prefix_caching = prefix_caching
+        self._free = list(range(num_blocks - 1, -1, -1))  # no request holds them, nothing cached
+        self._refs = [0] * num_blocks
+        self._key_of: dict[int, bytes] = {}  # registered block -> its content key
+        self._block_of: dict[bytes, int] = {}  # content key -> block
+        # registered blocks no request holds, the least recently released first
+        self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.num_evicted = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a request can take: the plain free ones and the cached ones no request holds."""
+        return len(self._free) + len(self._idle)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of)
 
     def blocks_needed(self, block_ids: list[int], num_tokens: int) -> int:
         return max(0, cdiv(num_tokens, self.block_size) - len(block_ids))
@@ -38,15 +62,67 @@ class BlockAllocator:
     def grow(self, block_ids: list[int], num_tokens: int) -> bool:
         """Extend ``block_ids`` in place to hold ``num_tokens`` tokens; False (nothing taken) if it can't."""
         need = self.blocks_needed(block_ids, num_tokens)
-        if need > len(self._free):
+        if need > self.num_free:
             return False
         for _ in range(need):
-            block_ids.append(self._free.pop())
+            block_ids.append(self._take())
         return True
 
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:  # evict the least recently released cached block
+            block, _ = self._idle.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            self.num_evicted += 1
+        self._refs[block] = 1
+        return block
+
     def free(self, block_ids: list[int]) -> None:
-        self._free.extend(reversed(block_ids))
+        """Release a request's hold on its blocks (a shared block stays with its other holders)."""
+        for block in reversed(block_ids):  # the last blocks first: they are evicted first
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._key_of:
+                    self._idle[block] = None
+                else:
+                    self._free.append(block)
         block_ids.clear()
+
+    def cached_prefix(self, keys: list[bytes]) -> int:
+        """How many of ``keys`` (a prompt's leading full blocks, in order) are cached."""
+        n = 0
+        if self.prefix_caching:
+            for key in keys:
+                if key not in self._block_of:
+                    break
+                n += 1
+        return n
+
+    def acquire(self, keys: list[bytes]) -> list[int]:
+        """The cached blocks of ``keys`` (all cached: ``cached_prefix``), now also held by the caller."""
+        blocks = []
+        for key in keys:
+            block = self._block_of[key]
+            if self._refs[block] == 0:
+                del self._idle[block]
+            self._refs[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def register(self, block: int, key: bytes) -> None:
+        """``block`` now holds the computed K/V of the tokens ``key`` names. A key already cached
+        under another block (two requests computed the same tokens at once) keeps that one."""
+        if self.prefix_caching and key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (held ones stay with their requests, no longer shareable)."""
+        self._free.extend(reversed(self._idle))
+        self._idle.clear()
+        self._key_of.clear()
+        self._block_of.clear()
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -479,7 +479,16 @@ def run_profile(
 ) -> Profile:
     """Acceptance, the ITL grid and the cost model; ``name`` (the file it goes to) names the
     profile in the notice given when its cost model contradicts its grid (``checked_cost_model``:
-    the profile then has no ``cost_model`` and the policy prices passes from the grid)."""
+    the profile then has no ``cost_model`` and the policy prices passes from the grid). The
+    prompts come back cell after cell, so prefix caching is off meanwhile: each cell prefills
+    them as a user's new requests would."""
+    with engine.prefix_caching_off():
+        return _run_profile(engine, prompts, settings, meta, progress, name)
+
+
+def _run_profile(
+    engine: Engine, prompts: list, settings: ProfileSettings, meta: dict, progress: bool, name: str
+) -> Profile:
     timings: list[StepTiming] = []
     seconds: dict[str, float] = {}  # what each part took
     clock = time.perf_counter()

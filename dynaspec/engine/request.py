@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -15,6 +16,14 @@ if TYPE_CHECKING:
 
 class Detokenizer(Protocol):
     def add(self, new_ids: list[int]) -> str: ...
+
+
+def block_key(parent: bytes, tokens: list[int]) -> bytes:
+    """The content key of a full block: its tokens and, through ``parent`` (the previous block's
+    key, b"" for the first), every token before them. A 128-bit BLAKE2 digest, so one request's
+    prompt can not be made to collide with another's (vLLM's CVE-2025-25183 was a weak hash)."""
+    data = parent + b"".join(t.to_bytes(4, "little") for t in tokens)
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 class RequestStatus(enum.Enum):
@@ -50,10 +59,27 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs set
     # with params.prompt_logprobs set: one per prompt token scored so far (the first token's is None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # prefix caching (kv_cache.BlockAllocator): whether its blocks may be shared (not when their K/V
+    # is made up: the profiler's long contexts), the content keys of its full blocks computed so far
+    # (``block_keys``), how many of its blocks are registered, and the prompt tokens it took cached
+    cacheable: bool = True
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+
+    def keys_upto(self, num_blocks: int, block_size: int) -> list[bytes]:
+        """The content keys of its first ``num_blocks`` full blocks (``block_key``),
+        computed once each."""
+        keys = self.block_keys
+        while len(keys) < num_blocks:
+            i = len(keys)
+            tokens = self.token_at(i * block_size, (i + 1) * block_size)
+            keys.append(block_key(keys[-1] if keys else b"", tokens))
+        return keys[:num_blocks]
 
     @property
     def num_tokens(self) -> int:
@@ -126,5 +152,6 @@ class RequestOutput:
     output_token_ids: list[int]  # all generated so far
     text: str  # all generated text so far (stop strings cut)
     num_prompt_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     new_logprobs: list[TokenLogprob] | None = None  # [len(new_token_ids)] with params.logprobs set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once finished, with params.prompt_logprobs

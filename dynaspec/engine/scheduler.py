@@ -70,6 +70,7 @@ class Scheduler:
         if not self.allocator.grow(request.block_ids, num_tokens):
             return False
         self.waiting.remove(request)
+        request.cacheable = False  # its K/V is the caller's, not its tokens'
         request.num_computed_tokens = num_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -123,18 +124,32 @@ class Scheduler:
             if self._reserve(r, r.num_computed_tokens + chunk, allow_preempt=False):
                 prefills.append(PrefillChunk(r, chunk))
                 budget -= chunk
+        held: list[Request] = []  # waiting for a prefix another request is computing
+        in_flight = self._prefixes_in_flight()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            r = self.waiting[0]
-            chunk = min(r.num_tokens, budget)
+            r = self.waiting.popleft()
+            keys = self._prompt_keys(r)
+            cached = self.allocator.cached_prefix(keys)
+            if cached < len(keys) and keys[cached] in in_flight:
+                held.append(r)
+                continue
+            r.block_ids = self.allocator.acquire(keys[:cached])
+            r.num_computed_tokens = r.num_cached_tokens = cached * self.allocator.block_size
+            chunk = min(r.num_tokens - r.num_computed_tokens, budget)
+            end = r.num_computed_tokens + chunk
             # admit only with a block of headroom per running request, so decodes can grow
-            if self.allocator.blocks_needed(r.block_ids, chunk) + len(self.running) > self.allocator.num_free:
+            if self.allocator.blocks_needed(r.block_ids, end) + len(self.running) > self.allocator.num_free:
+                self.allocator.free(r.block_ids)
+                r.num_computed_tokens = r.num_cached_tokens = 0
+                self.waiting.appendleft(r)
                 break
-            self.allocator.grow(r.block_ids, chunk)
-            self.waiting.popleft()
+            self.allocator.grow(r.block_ids, end)
             r.status = RequestStatus.RUNNING
             self.running.append(r)
             prefills.append(PrefillChunk(r, chunk))
             budget -= chunk
+            in_flight.update(keys[cached:])
+        self.waiting.extendleft(reversed(held))
 
         released, self._released = self._released, []
         return SchedulePlan(
@@ -146,6 +161,35 @@ class Scheduler:
             released=released,
             free_rows=[free_of.get(r.request_id, False) for r in decodes] if free_of else [],
         )
+
+    def _prompt_keys(self, r: Request) -> list[bytes]:
+        """The keys of the prompt's full blocks a new request may take from the prefix cache: all
+        but its last token's (whose logits it needs), none where its blocks may not be shared or
+        it asks for the prompt's logprobs (every prompt position's logits)."""
+        if not (self.allocator.prefix_caching and r.cacheable) or r.prompt_logprobs is not None:
+            return []
+        size = self.allocator.block_size
+        return r.keys_upto((len(r.prompt_token_ids) - 1) // size, size)
+
+    def _prefixes_in_flight(self) -> set[bytes]:
+        """The prompt blocks that requests prefilling now will register: a waiting request whose
+        next uncached block is one of them waits (``held``) and takes it once computed, so the n
+        samples of one prompt (or one prompt sent n times at once) compute it once."""
+        if not self.allocator.prefix_caching:
+            return set()
+        return {key for r in self.running if not r.is_decoding for key in self._prompt_keys(r)}
+
+    def _register(self, r: Request) -> None:
+        """Register ``r``'s full blocks whose K/V and tokens are now all known (``prefix_caching``)."""
+        if not (self.allocator.prefix_caching and r.cacheable):
+            return
+        size = self.allocator.block_size
+        full = min(r.num_computed_tokens, r.num_tokens) // size
+        done = r.num_registered_blocks
+        if full > done:
+            for block, key in zip(r.block_ids[done:full], r.keys_upto(full, size)[done:]):
+                self.allocator.register(block, key)
+            r.num_registered_blocks = full
 
     def _pending(self) -> list[Request]:
         """Requests whose prompts await prefill: those prefilling, and waiting ones up to max_num_seqs."""
@@ -175,6 +219,7 @@ class Scheduler:
         for chunk in plan.prefills:
             r = chunk.request
             r.num_computed_tokens += chunk.num_tokens
+            self._register(r)
             if r.prompt_logprobs is not None:
                 r.prompt_logprobs.extend(result.prompt_logprobs.get(r.request_id, []))
         outputs = []
@@ -193,6 +238,7 @@ class Scheduler:
                 if r.append(t):
                     finished = True
                     break
+            self._register(r)  # the accepted drafts' blocks (K/V past an emitted stop is not)
             new_logprobs = None
             if token_logprobs is not None:
                 new_logprobs = token_logprobs[: len(emitted)]
@@ -223,7 +269,7 @@ class Scheduler:
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
         self.allocator.free(r.block_ids)
-        r.num_computed_tokens = 0
+        r.num_computed_tokens = r.num_registered_blocks = 0
         r.status = RequestStatus.WAITING
         self.waiting.appendleft(r)
         self._released.append(r.request_id)
@@ -242,6 +288,7 @@ def _output(
         output_token_ids=list(r.output_token_ids),
         text=r.output_text,
         num_prompt_tokens=len(r.prompt_token_ids),
+        num_cached_tokens=r.num_cached_tokens,
         new_logprobs=new_logprobs,
         prompt_logprobs=r.prompt_logprobs if finished else None,
     )

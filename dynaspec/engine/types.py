@@ -23,9 +23,12 @@ class PrefillChunk:
     request: Request
     num_tokens: int  # prompt tokens computed this step
     completes: bool = False  # reaches the last prompt token, so the step samples the first output token
+    first: bool = False  # the request's first chunk since it was admitted (after its cached blocks)
 
     def __post_init__(self) -> None:
-        self.completes = self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        r = self.request
+        self.completes = r.num_computed_tokens + self.num_tokens == r.num_tokens
+        self.first = r.num_computed_tokens == r.num_cached_tokens
 
 
 @dataclass(slots=True)

@@ -114,13 +114,17 @@ def usage_chunk(state: AppState, response_id: str, created: int, chat: bool, usa
 
 
 def usage_of(choices: list[Choice]) -> dict:
-    """Each prompt's tokens counted once (not once per sample); every sample's output tokens."""
+    """Each prompt's tokens counted once (not once per sample); every sample's output tokens; of
+    the prompt tokens, those the first sample took from the prefix cache (OpenAI's
+    ``prompt_tokens_details.cached_tokens``; the other samples share what the first computed)."""
     prompt_tokens = sum(len(c.prompt_ids) for c in choices if c.sample == 0)
+    cached = sum(c.final.num_cached_tokens for c in choices if c.sample == 0 and c.final is not None)
     completion = sum(len(c.final.output_token_ids) for c in choices if c.final is not None)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

@@ -1,0 +1,187 @@
+"""Prefix caching: prompt blocks computed once and shared change no output (tiny model, float32).
+
+The CPU kernels are batch invariant, so a block's K/V are the same bits whichever pass computed
+them: every output, sampled ones included, must equal the engine's without the cache."""
+
+import dataclasses
+
+import pytest
+from support.engine import GREEDY, PROMPTS, make_engine, run_staggered
+from support.tiny import make_tiny_gguf
+
+from dynaspec import SamplingParams
+from dynaspec.engine.kv_cache import BlockAllocator
+from dynaspec.engine.request import block_key
+
+SYSTEM = "You are a careful assistant. Answer in one line, and never repeat the question. "
+SHARED = [SYSTEM + p for p in PROMPTS]  # a long common prefix, then each prompt's own tokens
+
+
+def chain(*blocks: list[int]) -> list[bytes]:
+    keys = []
+    for tokens in blocks:
+        keys.append(block_key(keys[-1] if keys else b"", tokens))
+    return keys
+
+
+def drain(engine, prompts, params=GREEDY):
+    requests = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return requests
+
+
+def test_allocator_shares_counts_references_and_evicts_the_least_recent_first():
+    a = BlockAllocator(4, 2, prefix_caching=True)
+    k0, k1, k2 = chain([1, 2], [3, 4], [5, 6])
+    first: list[int] = []
+    assert a.grow(first, 4) and len(first) == 2
+    a.register(first[0], k0)
+    a.register(first[1], k1)
+    a.register(first[1], k2)  # a block keeps its first key
+    assert a.cached_prefix([k0, k1, k2]) == 2 and a.num_cached_blocks == 2
+    second = a.acquire([k0, k1])
+    assert second == first
+    a.free(first)  # still held by the second request
+    assert a.num_free == 2 and a.usage == 0.5
+    a.free(second)  # now cached, unheld: free to take, still matchable
+    assert a.num_free == 4 and a.usage == 0.0 and a.cached_prefix([k0, k1]) == 2
+    taken: list[int] = []
+    assert a.grow(taken, 6)  # the 2 plain blocks, then the request's last block is evicted first
+    assert a.num_evicted == 1 and a.cached_prefix([k0, k1]) == 1
+    again = a.acquire([k0])
+    assert a.num_free == 0 and not a.grow(again, 4)
+    a.free(taken)
+    a.free(again)
+    a.reset_prefix_cache()
+    assert a.num_cached_blocks == 0 and a.num_free == 4 and a.cached_prefix([k0]) == 0
+
+
+def test_a_key_cached_under_another_block_keeps_the_first_and_off_caches_nothing():
+    a = BlockAllocator(4, 2, prefix_caching=True)
+    (k0,) = chain([7, 8])
+    x, y = [], []
+    a.grow(x, 2)
+    a.grow(y, 2)
+    a.register(x[0], k0)
+    a.register(y[0], k0)  # two requests computed the same tokens at once
+    assert a.acquire([k0]) == x[:1]
+    off = BlockAllocator(4, 2)
+    off.register(0, k0)
+    assert off.cached_prefix([k0]) == 0 and off.num_cached_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def gguf_target(target_dir, tmp_path_factory):
+    """The tiny target in GGUF blocks: the C++ kernels, whose rows are batch invariant."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    make_tiny_gguf(target_dir, path)
+    return path
+
+
+@pytest.mark.parametrize("weights", ["dense", "gguf"])
+def test_a_repeated_prompt_takes_its_blocks_and_its_output_and_logprobs_stay(weights, request):
+    """GGUF blocks give the same bits whichever pass computed a block; dense float32 weights go
+    through PyTorch's matmul, whose sums depend on the pass's shape (as chunked prefill's do)."""
+    model = request.getfixturevalue("gguf_target" if weights == "gguf" else "target_dir")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    on = make_engine(model, block_size=4)
+    assert on.prefix_caching
+    (first,) = drain(on, [SHARED[2]], params)
+    (second,) = drain(on, [SHARED[2]], params)
+    n = len(first.prompt_token_ids)
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == (n - 1) // 4 * 4 > 0
+    assert second.output_token_ids == first.output_token_ids
+    off = make_engine(model, block_size=4, enable_prefix_caching=False)
+    (plain,) = drain(off, [SHARED[2]], params)
+    assert plain.output_token_ids == first.output_token_ids
+    if weights == "gguf":
+        assert second.output_logprobs == first.output_logprobs == plain.output_logprobs
+    else:
+        got = [e.logprob for e in second.output_logprobs]
+        assert got == pytest.approx([e.logprob for e in first.output_logprobs], abs=1e-5)
+    stats = on.stats()["prefix_cache"]
+    assert stats["enabled"] and stats["cached_prompt_tokens"] == second.num_cached_tokens
+    assert stats["hit_rate"] == round(second.num_cached_tokens / (2 * n), 4)
+    assert off.stats()["prefix_cache"]["cached_prompt_tokens"] == 0
+
+
+def test_samples_of_one_prompt_compute_it_once_and_follow_their_seeds(target_dir):
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    outs = {}
+    for caching in (True, False):
+        engine = make_engine(target_dir, block_size=4, enable_prefix_caching=caching)
+        requests = [engine.add_request(SHARED[0], dataclasses.replace(sampled, seed=s)) for s in range(4)]
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        outs[caching] = [r.output_token_ids for r in requests], [r.num_cached_tokens for r in requests]
+    n = len(engine.prompt_token_ids(SHARED[0]))
+    cached = (n - 1) // 4 * 4
+    assert outs[True][0] == outs[False][0] and len(set(map(tuple, outs[True][0]))) > 1
+    # the first computes the prompt; the others wait a step for its blocks and take them
+    assert outs[True][1] == [0, cached, cached, cached] and outs[False][1] == [0, 0, 0, 0]
+
+
+def test_shared_prefixes_under_a_tight_budget_preempt_evict_and_keep_every_output(target_dir):
+    plain = make_engine(target_dir, block_size=4, enable_prefix_caching=False)
+    want = run_staggered(plain, SHARED + SHARED[:2], arrive_every=1)
+    engine = make_engine(target_dir, kv_cache_memory_gb=128 * 512 / 2**30, block_size=4)
+    assert engine.prefix_caching and engine.allocator.num_blocks * 4 == 128
+    assert run_staggered(engine, SHARED + SHARED[:2], arrive_every=1) == want
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache"]["evicted_blocks"] > 0
+    assert stats["prefix_cache"]["cached_prompt_tokens"] > 0 and engine.allocator.usage == 0.0
+
+
+def test_a_second_turn_takes_the_first_turn_and_its_answer_from_the_cache(target_dir):
+    engine = make_engine(target_dir, block_size=4)
+    (turn1,) = drain(engine, [PROMPTS[3]])
+    follow = turn1.all_token_ids + engine.prompt_token_ids(" and then")
+    (turn2,) = drain(engine, [follow])
+    assert turn2.num_cached_tokens == (len(turn1.all_token_ids) - 1) // 4 * 4  # the answer's blocks too
+    off = make_engine(target_dir, block_size=4, enable_prefix_caching=False)
+    (plain,) = drain(off, [follow])
+    assert turn2.output_token_ids == plain.output_token_ids
+
+
+def test_a_request_for_prompt_logprobs_computes_every_position(target_dir):
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    engine = make_engine(target_dir, block_size=4)
+    drain(engine, [SHARED[1]])
+    (scored,) = drain(engine, [SHARED[1]], params)
+    off = make_engine(target_dir, block_size=4, enable_prefix_caching=False)
+    (plain,) = drain(off, [SHARED[1]], params)
+    assert scored.num_cached_tokens == 0 and scored.prompt_logprobs == plain.prompt_logprobs
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_model_free_drafts_with_cached_prefixes_equal_plain_decoding(target_dir, method):
+    spec = {"method": method, "num_speculative_tokens": 3}
+    plain = make_engine(target_dir, block_size=4, enable_prefix_caching=False)
+    want = run_staggered(plain, SHARED + SHARED, arrive_every=2)
+    engine = make_engine(target_dir, block_size=4, speculative_config=spec)
+    assert engine.prefix_caching
+    assert run_staggered(engine, SHARED + SHARED, arrive_every=2) == want
+    assert engine.stats()["prefix_cache"]["cached_prompt_tokens"] > 0
+
+
+def test_a_drafter_with_its_own_kv_leaves_prefix_caching_off_and_refuses_it(target_dir, draft_dir):
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}
+    assert not make_engine(target_dir, speculative_config=spec).prefix_caching
+    with pytest.raises(
+        ValueError, match="enable_prefix_caching: not with speculative_config.method 'draft_model'"
+    ):
+        make_engine(target_dir, speculative_config=spec, enable_prefix_caching=True)
+
+
+def test_prefix_caching_off_inside_a_block_empties_the_cache(target_dir):
+    engine = make_engine(target_dir, block_size=4)
+    drain(engine, [SHARED[0]])
+    assert engine.allocator.num_cached_blocks > 0
+    with engine.prefix_caching_off():
+        (again,) = drain(engine, [SHARED[0]])
+        assert not engine.prefix_caching and again.num_cached_tokens == 0
+        assert engine.allocator.num_cached_blocks == 0
+    assert engine.prefix_caching and engine.allocator.num_cached_blocks == 0
