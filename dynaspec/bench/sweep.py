@@ -82,6 +82,14 @@ def add_parser(sub) -> None:
         help="JSON path (default %(default)s: out of the record under results/)",
     )
     p.add_argument("--plot", default=None, help="PNG of throughput and TPOT against concurrency")
+    p.add_argument(
+        "--warm-prompts",
+        action="store_true",
+        help="prefill every prompt once on each engine before the clock starts and keep them in the "
+        "prefix cache, so the runs time decoding (long prompts whose prefill would otherwise dominate); "
+        "every concurrency then runs the first of the same prompts; needs prefix caching, so not with a "
+        "draft model or EAGLE head",
+    )
     p.set_defaults(func=run)
 
 
@@ -180,8 +188,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.dataset, chat=True)
     kwargs = engine_kwargs(args)
     # rounds and configurations repeat the prompts, which a prefix cache would make cheaper the second
-    # time: off unless --enable-prefix-caching asks for it, and then each run starts with it empty
-    kwargs["enable_prefix_caching"] = bool(args.enable_prefix_caching)
+    # time: off unless --enable-prefix-caching asks for it, and then each run starts with it empty;
+    # --warm-prompts caches every prompt before the clock starts, for every configuration alike
+    kwargs["enable_prefix_caching"] = bool(args.enable_prefix_caching or args.warm_prompts)
     kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], max(concurrencies))
     kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], max(concurrencies) * (max_k + 1))
     spec_dict = {**spec.to_dict(), "num_speculative_tokens": max_k}
@@ -215,21 +224,26 @@ def run(args: argparse.Namespace) -> int:
 
     for engine in engines.values():  # first-call overheads (allocations, kernel selection) off the clock
         closed_loop(engine, prompts[:2], 2, SamplingParams(max_tokens=4, temperature=0.0))
+    counts = {c: max(args.prompts_per_concurrency * c, args.min_prompts) for c in concurrencies}
+    if args.warm_prompts:  # the prompts every concurrency takes its first from, prefilled once an engine
+        warm = [prompts[i % len(prompts)] for i in range(max(counts.values()))]
+        for name, engine in engines.items():
+            warm_prompts(engine, warm, name)
 
     pooled: dict[tuple[int, str], RunResult] = {}
     cursor = 0
     with tqdm(total=len(concurrencies) * len(configs) * args.rounds, desc="sweep", unit="run") as bar:
         for ci, c in enumerate(concurrencies):
-            count = max(args.prompts_per_concurrency * c, args.min_prompts)
+            count = counts[c]
             chosen = [prompts[(cursor + i) % len(prompts)] for i in range(count)]
-            cursor += len(chosen)
+            cursor += 0 if args.warm_prompts else len(chosen)
             order = configs[ci % len(configs) :] + configs[: ci % len(configs)]
             for rnd in range(args.rounds):
                 part = chosen[rnd * len(chosen) // args.rounds : (rnd + 1) * len(chosen) // args.rounds]
                 if not part:
                     continue
                 for name in order if rnd % 2 == 0 else order[::-1]:
-                    run = _run_config(engines, policies, name, part, c, params)
+                    run = _run_config(engines, policies, name, part, c, params, not args.warm_prompts)
                     if (c, name) in pooled:
                         pooled[(c, name)].merge(run)
                     else:
@@ -244,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
     report["command_args"] = command_args(args)
     report["profile_table"] = table
     report["profile"] = path
+    report["warm_prompts"] = args.warm_prompts
+    report["prefix_cache"] = {name: engine.stats()["prefix_cache"] for name, engine in engines.items()}
     print(format_report(report))
     if args.result_file:
         _save(args.result_file, report)
@@ -278,14 +294,29 @@ def report_saved(path: str, plot: str | None) -> int:
     return 0
 
 
+def warm_prompts(engine, prompts: list, name: str) -> None:
+    """Prefill ``prompts`` (one output token each) so their blocks sit in ``engine``'s prefix cache."""
+    from dynaspec.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    with tqdm(total=len(prompts), desc=f"warming {name}", unit="prompt") as bar:
+        for i in range(0, len(prompts), 4):
+            closed_loop(engine, prompts[i : i + 4], 4, SamplingParams(max_tokens=1, temperature=0.0))
+            bar.update(len(prompts[i : i + 4]))
+    cached = engine.allocator.num_cached_blocks * engine.allocator.block_size
+    seconds = time.perf_counter() - start
+    print(f"{name}: {len(prompts)} prompts prefilled in {seconds:.0f} s, {cached} tokens cached")
+
+
 def _run_config(
-    engines: dict, policies: dict, name: str, prompts: list, concurrency: int, params
+    engines: dict, policies: dict, name: str, prompts: list, concurrency: int, params, cold: bool = True
 ) -> RunResult:
     engine = engines["none" if name == "none" else "spec"]
     if name != "none":
         engine.set_k_policy(policies[name]())  # fresh: no acceptance or cost history carried over
         engine.proposer.reset()  # nor a proposer's memory of earlier outputs (a suffix cache)
-    engine.reset_prefix_cache()  # nor another run's prompt blocks
+    if cold:
+        engine.reset_prefix_cache()  # nor another run's prompt blocks
     with engine.recording() as run:
         wall, requests, tpot = closed_loop(engine, prompts, concurrency, params)
     drafts, accepted = run.spec.num_drafts, run.spec.num_accepted_tokens

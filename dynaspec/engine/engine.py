@@ -155,6 +155,7 @@ class Engine:
             max_len = capacity
         self.max_model_len = max_len
         self.allocator = BlockAllocator(num_blocks, config.block_size, self._prefix_caching(spec))
+        self.kv_bytes_per_block = bytes_per_token * config.block_size  # target and drafter together
         self.runner = ModelRunner(
             model,
             num_blocks * config.block_size,
@@ -420,6 +421,8 @@ class Engine:
             "num_generated_tokens": self.counters.num_generated_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": round(self.allocator.usage, 4),
+            # bytes of the KV budget written at least once (resident on the CPU from then on)
+            "kv_cache_touched_bytes": self.allocator.num_touched * self.kv_bytes_per_block,
             "prefix_cache": self._prefix_cache_stats(),
         }
         if self.config.speculative_config is not None:

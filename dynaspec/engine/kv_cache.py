@@ -41,6 +41,10 @@ class BlockAllocator:
         # registered blocks no request holds, the least recently released first
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.num_evicted = 0
+        # blocks handed out at least once: on the CPU their pages are resident from then on (a cache
+        # that keeps blocks fills the budget over time; without one, the peak in use bounds it)
+        self._touched = bytearray(num_blocks)
+        self.num_touched = 0
 
     @property
     def num_free(self) -> int:
@@ -75,6 +79,9 @@ class BlockAllocator:
             block, _ = self._idle.popitem(last=False)
             del self._block_of[self._key_of.pop(block)]
             self.num_evicted += 1
+        if not self._touched[block]:
+            self._touched[block] = 1
+            self.num_touched += 1
         self._refs[block] = 1
         return block
 

@@ -175,7 +175,7 @@ class Scheduler:
         """The prompt blocks that requests prefilling now will register: a waiting request whose
         next uncached block is one of them waits (``held``) and takes it once computed, so the n
         samples of one prompt (or one prompt sent n times at once) compute it once."""
-        if not self.allocator.prefix_caching:
+        if not (self.allocator.prefix_caching and self.waiting):
             return set()
         return {key for r in self.running if not r.is_decoding for key in self._prompt_keys(r)}
 

@@ -88,6 +88,11 @@ class _EngineCollector:
         yield _gauge("dynaspec:num_requests_running", "Requests running", s.running)
         yield _gauge("dynaspec:num_requests_waiting", "Requests waiting", s.waiting)
         yield _gauge("dynaspec:kv_cache_usage_perc", "Fraction of KV cache blocks in use", s.kv_cache_usage)
+        yield _gauge(
+            "dynaspec:kv_cache_touched_bytes",
+            "KV cache bytes written at least once (resident on the CPU; a prefix cache fills the budget)",
+            s.kv_cache_touched_bytes,
+        )
         spec = s.stats.get("spec")
         if spec is None:
             return

@@ -187,3 +187,31 @@ def test_sweep_with_auto_takes_the_engines_own_profile(tmp_path, target_dir, mon
         '--profile: the speculative config already says "dynamic_config_path": "auto"'
         in capsys.readouterr().err
     )
+
+
+def test_warm_prompts_time_runs_on_cached_prompts_and_need_prefix_caching(tmp_path, target_dir, capsys):
+    stats = {1: {0: 1.0, 1: 1.1}, 2: {0: 1.1, 1: 1.5}}
+    profile = tmp_path / "profile.json"
+    save_profile(Profile(1, [0.9], stats, derive_table([0.9], stats, 1)), profile)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def fibonacci(n): return the n-th number of the sequence, fast\nclass A:\n")
+    result = tmp_path / "sweep.json"
+
+    def sweep(spec: dict) -> int:
+        args = ["bench", "sweep", "--model", str(target_dir), "--dtype", "float32"]
+        args += ["--kv-cache-memory-gb", "0.02", "--speculative-config", json.dumps(spec)]
+        args += ["--profile", str(profile), "--dataset", str(prompts), "--concurrency", "1,2"]
+        args += ["--min-prompts", "2", "--prompts-per-concurrency", "1", "--fixed-ks", "1"]
+        args += ["--configs", "none,K=1", "--max-tokens", "4", "--rounds", "1", "--warm-prompts"]
+        return main(args + ["--result-file", str(result)])
+
+    assert sweep({"method": "ngram", "num_speculative_tokens": 1}) == 0
+    report = json.loads(result.read_text())
+    assert report["warm_prompts"] and {r["concurrency"] for r in report["rows"]} == {1, 2}
+    for stats_ in report["prefix_cache"].values():  # every run found its prompts cached
+        assert stats_["enabled"] and stats_["hit_rate"] > 0.5
+    draft = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 1}
+    assert sweep(draft) == 2
+    assert (
+        "enable_prefix_caching: not with speculative_config.method 'draft_model'" in capsys.readouterr().err
+    )

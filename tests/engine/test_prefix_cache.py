@@ -35,7 +35,7 @@ def test_allocator_shares_counts_references_and_evicts_the_least_recent_first():
     a = BlockAllocator(4, 2, prefix_caching=True)
     k0, k1, k2 = chain([1, 2], [3, 4], [5, 6])
     first: list[int] = []
-    assert a.grow(first, 4) and len(first) == 2
+    assert a.grow(first, 4) and len(first) == 2 and a.num_touched == 2
     a.register(first[0], k0)
     a.register(first[1], k1)
     a.register(first[1], k2)  # a block keeps its first key
@@ -48,7 +48,7 @@ def test_allocator_shares_counts_references_and_evicts_the_least_recent_first():
     assert a.num_free == 4 and a.usage == 0.0 and a.cached_prefix([k0, k1]) == 2
     taken: list[int] = []
     assert a.grow(taken, 6)  # the 2 plain blocks, then the request's last block is evicted first
-    assert a.num_evicted == 1 and a.cached_prefix([k0, k1]) == 1
+    assert a.num_evicted == 1 and a.cached_prefix([k0, k1]) == 1 and a.num_touched == 4
     again = a.acquire([k0])
     assert a.num_free == 0 and not a.grow(again, 4)
     a.free(taken)
