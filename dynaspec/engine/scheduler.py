@@ -163,13 +163,14 @@ class Scheduler:
         )
 
     def _prompt_keys(self, r: Request) -> list[bytes]:
-        """The keys of the prompt's full blocks a new request may take from the prefix cache: all
-        but its last token's (whose logits it needs), none where its blocks may not be shared or
-        it asks for the prompt's logprobs (every prompt position's logits)."""
+        """The keys of the full blocks a request about to prefill may take from the prefix cache:
+        all but its last token's (whose logits it needs; a preempted request's output tokens
+        count too), none where its blocks may not be shared or it asks for the prompt's logprobs
+        (every prompt position's logits)."""
         if not (self.allocator.prefix_caching and r.cacheable) or r.prompt_logprobs is not None:
             return []
         size = self.allocator.block_size
-        return r.keys_upto((len(r.prompt_token_ids) - 1) // size, size)
+        return r.keys_upto((r.num_tokens - 1) // size, size)
 
     def _prefixes_in_flight(self) -> set[bytes]:
         """The prompt blocks that requests prefilling now will register: a waiting request whose

@@ -185,3 +185,18 @@ def test_prefix_caching_off_inside_a_block_empties_the_cache(target_dir):
         assert not engine.prefix_caching and again.num_cached_tokens == 0
         assert engine.allocator.num_cached_blocks == 0
     assert engine.prefix_caching and engine.allocator.num_cached_blocks == 0
+
+
+def test_a_preempted_request_takes_back_its_prompt_and_output_blocks(target_dir):
+    engine = make_engine(target_dir, block_size=4)
+    r = engine.add_request(SHARED[0], GREEDY)
+    while len(r.output_token_ids) < 10:
+        engine.step()
+    engine.scheduler._preempt(r)  # as when a newer request's blocks run out
+    tokens = r.num_tokens
+    while engine.has_unfinished():
+        engine.step()
+    assert r.num_cached_tokens == (tokens - 1) // 4 * 4 > len(r.prompt_token_ids)
+    off = make_engine(target_dir, block_size=4, enable_prefix_caching=False)
+    (plain,) = drain(off, [SHARED[0]])
+    assert r.output_token_ids == plain.output_token_ids
