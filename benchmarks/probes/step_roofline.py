@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from dynaspec.bench.common import median_ms
+from dynaspec.bench.common import decoder_projections, median_ms
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.models.attention import build_attention_metadata
 from dynaspec.sampling_params import SamplingParams
@@ -37,21 +37,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     engine = Engine(EngineConfig(model=args.model, max_num_seqs=1, kv_cache_memory_gb=0.5, progress=False))
     model = engine.runner.model
-    projections = [
-        mod
-        for layer in model.model.layers
-        for mod in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
-    ]
-
-    def width(mod) -> int:
-        return width(mod.parts[0]) if hasattr(mod, "parts") else mod.in_features
-
-    inputs = [torch.randn(1, width(p)) for p in projections]
+    projections = [p for p, _ in decoder_projections(model)]
+    inputs = [torch.randn(1, width) for _, width in decoder_projections(model)]
     layer_bytes = nbytes(model.model.layers)
     head_bytes = nbytes(model.lm_head)
     block = engine.allocator.block_size

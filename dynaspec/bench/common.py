@@ -58,6 +58,25 @@ def median_ms(fn: Callable[[], object], calls: int, warmup: int = 3) -> float:
     return statistics.median(times) * 1000
 
 
+def decoder_projections(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
+    """Each decoder layer's four projections (q/k/v, o, gate/up, down) with their input widths:
+    what the probes time alone, beside the decoder stack that runs them."""
+
+    def width(mod) -> int:
+        return width(mod.parts[0]) if hasattr(mod, "parts") else mod.in_features
+
+    return [
+        (mod, width(mod))
+        for layer in model.model.layers
+        for mod in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
+
+
 def command_args(args: argparse.Namespace) -> dict[str, Any]:
     """A benchmark's command-line arguments, as its JSON result records them."""
     return {k: v for k, v in vars(args).items() if k != "func"}
