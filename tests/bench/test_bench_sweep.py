@@ -98,12 +98,18 @@ def test_saved_sweep_is_recompared_and_replotted(tmp_path, capsys):
     assert main(["bench", "sweep", "--from-json", str(saved)]) == 2
 
 
-def test_sweep_runs_a_chosen_subset_and_refuses_unknown_configs(tmp_path, target_dir, capsys):
+def k1_profile_and_prompts(tmp_path, text: str):
+    """A K <= 1 profile over batch sizes 1 and 2, and a prompt file of ``text``."""
     stats = {1: {0: 1.0, 1: 1.1}, 2: {0: 1.1, 1: 1.5}}
     profile = tmp_path / "profile.json"
     save_profile(Profile(1, [0.9], stats, derive_table([0.9], stats, 1)), profile)
     prompts = tmp_path / "p.txt"
-    prompts.write_text("def f(x):\nclass A:\n")
+    prompts.write_text(text)
+    return profile, prompts
+
+
+def test_sweep_runs_a_chosen_subset_and_refuses_unknown_configs(tmp_path, target_dir, capsys):
+    profile, prompts = k1_profile_and_prompts(tmp_path, "def f(x):\nclass A:\n")
     spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 1}
     common = [
         "bench",
@@ -190,11 +196,8 @@ def test_sweep_with_auto_takes_the_engines_own_profile(tmp_path, target_dir, mon
 
 
 def test_warm_prompts_time_runs_on_cached_prompts_and_need_prefix_caching(tmp_path, target_dir, capsys):
-    stats = {1: {0: 1.0, 1: 1.1}, 2: {0: 1.1, 1: 1.5}}
-    profile = tmp_path / "profile.json"
-    save_profile(Profile(1, [0.9], stats, derive_table([0.9], stats, 1)), profile)
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("def fibonacci(n): return the n-th number of the sequence, fast\nclass A:\n")
+    text = "def fibonacci(n): return the n-th number of the sequence, fast\nclass A:\n"
+    profile, prompts = k1_profile_and_prompts(tmp_path, text)
     result = tmp_path / "sweep.json"
 
     def sweep(spec: dict) -> int:
