@@ -54,7 +54,6 @@ class Snapshot:
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = 0.0
-    kv_cache_touched_bytes: int = 0
     stats: dict = field(default_factory=dict)
 
 
@@ -294,7 +293,6 @@ class EngineLoop:
             running=len(s.running),
             waiting=len(s.waiting),
             kv_cache_usage=self.engine.allocator.usage,
-            kv_cache_touched_bytes=self.engine.allocator.num_touched * self.engine.kv_bytes_per_block,
             stats=self.engine.stats(),
         )
 

@@ -91,7 +91,7 @@ class _EngineCollector:
         yield _gauge(
             "dynaspec:kv_cache_touched_bytes",
             "KV cache bytes written at least once (resident on the CPU; a prefix cache fills the budget)",
-            s.kv_cache_touched_bytes,
+            s.stats.get("kv_cache_touched_bytes", 0),  # Engine.stats(): one place computes it
         )
         spec = s.stats.get("spec")
         if spec is None:
