@@ -72,7 +72,8 @@ def unsigned_form(weight: GroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Vnni(nn.Module):
-    """Packs the codes into 16-column tiles [tiles, groups, bytes] for csrc/qmatmul.cpp."""
+    """Packs the codes into 16-column tiles for csrc/qmatmul.cpp: [tiles / 2, groups, 2, bytes], each
+    pair of tiles interleaved group by group (one stream per thread; `tile_slot` there)."""
 
     def __init__(self, weight: GroupedWeight, dtype: torch.dtype) -> None:
         super().__init__()
@@ -89,7 +90,7 @@ class _Vnni(nn.Module):
         # the unsigned form (codes shifted to [0, 2**bits)) packed into 16-column tiles, in C++
         shift, offsets = unsigned_shift(weight)
         packed = torch.ops.dynaspec.pack_tiles(weight.codes.contiguous(), shift, self.bits, g, pad)
-        self.register_buffer("packed", packed)  # [tiles, groups, bytes]
+        self.register_buffer("packed", packed)  # [tiles / 2, groups, 2, bytes]
         self.mode, f32, sub, self.super_groups = _scale_table(weight, offsets, pad)
         self.register_buffer("scales_f32", f32)
         self.register_buffer("scales_sub", sub)
@@ -115,15 +116,17 @@ def _scale_table(
     pad: int,
 ) -> tuple[int, torch.Tensor, torch.Tensor, int]:
     """The smallest exact storage of the kernel's scales and offsets, in tiles of 16 columns:
-    (mode, f32 [tiles, groups or super-blocks, fields, 16], sub [tiles, groups, fields, 16], groups
-    per super-block). K-quants stream int8 sub-scales (2 bytes per group and column instead of 8);
-    types whose scales are f16 values stream them as f16. Symmetric types (no offsets of their own:
+    (mode, f32 [tiles / 2, groups or super-blocks, 2, fields, 16], sub [tiles / 2, groups, 2, fields,
+    16], groups per super-block: pairs of tiles interleaved as the codes are). K-quants stream int8
+    sub-scales (2 bytes per group and column instead of 8); types whose scales are f16 values stream
+    them as f16. Symmetric types (no offsets of their own:
     the unsigned form's is -2^(bits-1) x the scale, which the kernel computes) stream the scales
     alone (one field instead of two)."""
 
-    def tiled(*vs: torch.Tensor) -> torch.Tensor:  # k x [out, n] -> [tiles, n, k, 16]
+    def tiled(*vs: torch.Tensor) -> torch.Tensor:  # k x [out, n] -> [tiles / 2, n, 2, k, 16]
         v = F.pad(torch.stack(vs, dim=-1), (0, 0, 0, 0, 0, pad))
-        return v.view(-1, KERNEL_LANES, *v.shape[1:]).permute(0, 2, 3, 1).contiguous()
+        pair = KERNEL_COLUMN_MULTIPLE // KERNEL_LANES
+        return v.view(-1, pair, KERNEL_LANES, *v.shape[1:]).permute(0, 3, 1, 4, 2).contiguous()
 
     empty = torch.empty(0)
     symmetric = weight.offsets is None and _kernel_bits(weight) == weight.bits  # the kernel's shift

@@ -184,7 +184,7 @@ def test_kernel_streams_the_smallest_exact_scales() -> None:
     }
     # one field a group for the symmetric types: Q8_0 streams 2 bytes of scale per 32 codes
     impl = layers["gguf_q8_0"].impl
-    assert impl.scales_sub.numel() == impl.packed.shape[0] * impl.packed.shape[1] * 16
+    assert impl.scales_sub.numel() == impl.packed.shape[0] * impl.packed.shape[1] * impl.packed.shape[2] * 16
 
 
 def test_quantize_dense_round_trips() -> None:

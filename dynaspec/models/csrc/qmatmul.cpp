@@ -48,6 +48,17 @@ constexpr int kTilesPerStep = 2;  // tiles computed together (the packer pads co
 
 constexpr int kRowBlock = 16;  // activation codes are stored in blocks of 16 rows (one AMX tile)
 
+// Slot of tile `tile`, group g (or super-block) among a weight's [tiles, groups] codes or scales.
+// Tiles are stored in pairs (kTilesPerStep: what the kernels compute together), the pair's tiles
+// interleaved group by group: codes [tiles / 2, groups, 2, bytes], scales [tiles / 2, groups, 2,
+// fields, 16]. A thread's share of the columns is then one sequential stream of codes and one of
+// scales. Stored one tile after the other, a pair was two streams 12 KB apart (the 1.5B's 1,536
+// inputs), which the hardware prefetchers followed at half the rate of one (zen5, one core,
+// benchmarks/probes/read_streams.py: 14-16 GB/s against 28-30).
+inline int64_t tile_slot(int64_t tile, int64_t g, int64_t groups) {
+  return ((tile / kTilesPerStep) * groups + g) * kTilesPerStep + tile % kTilesPerStep;
+}
+
 // Offset of row r, group g in the blocked activation codes [rows / 16, groups, 16, G]: an AMX
 // activation tile is then 16 * G contiguous bytes.
 template <int G>
@@ -96,6 +107,10 @@ constexpr int tile_bytes() {
 // threads: 32 GB/s without, 42 with, against 46 for a plain sum over memory; 4 and 16 groups
 // ahead gave 39-41, 32 gave 35).
 constexpr int kPrefetchGroups = 8;
+
+// The same distance in bytes of a pair's stream (tile_slot), which runs on into the next pair's.
+template <int kTileBytes>
+constexpr int64_t kPrefetchBytes = int64_t{kPrefetchGroups} * kTilesPerStep * kTileBytes;
 
 template <int kBytes>
 inline void prefetch_group(const uint8_t* p) {
@@ -146,8 +161,8 @@ inline __m512 sub_scales(const int8_t* p) {
 template <int MODE>
 inline void load_scales(const ScaleTable& t, int64_t tile, int64_t g, int64_t sup, __m512& vs, __m512& vo) {
   constexpr int64_t kFields = scale_fields(MODE);
-  const int64_t at = (tile * t.groups + g) * kFields * kLanes;  // this group's first field
-  const int64_t at_super = (tile * t.supers + sup) * kFields * kLanes;  // the K-quants' super-block
+  const int64_t at = tile_slot(tile, g, t.groups) * kFields * kLanes;  // this group's first field
+  const int64_t at_super = tile_slot(tile, sup, t.supers) * kFields * kLanes;  // the K-quants' super-block
   if constexpr (MODE == kScaleF32) {
     vs = _mm512_loadu_ps(t.f32 + at);
     vo = _mm512_loadu_ps(t.f32 + at + kLanes);
@@ -228,8 +243,8 @@ void tile_step_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_
     for (int r = 0; r < R; ++r) a[n][r] = _mm512_setzero_ps();
   for (int64_t g = 0, sup = 0, in_sup = 0; g < groups; ++g) {
     for (int n = 0; n < kTilesPerStep; ++n) {
-      const uint8_t* wg = w + ((tile + n) * groups + g) * kTileBytes;
-      if (g + kPrefetchGroups < groups) prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
+      const uint8_t* wg = w + tile_slot(tile + n, g, groups) * kTileBytes;
+      prefetch_group<kTileBytes>(wg + kPrefetchBytes<kTileBytes>);
       __m512i wv[kSteps];
       decode_codes<BITS, G>(wg, wv);
       __m512 vs, vo;
@@ -299,8 +314,8 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
     __m512i wv[kTilesPerStep][kSteps];
     __m512 vs[kTilesPerStep], vo[kTilesPerStep];
     for (int n = 0; n < kTilesPerStep; ++n) {
-      const uint8_t* wg = w + ((tile + n) * groups + g) * kTileBytes;
-      if (g + kPrefetchGroups < groups) prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
+      const uint8_t* wg = w + tile_slot(tile + n, g, groups) * kTileBytes;
+      prefetch_group<kTileBytes>(wg + kPrefetchBytes<kTileBytes>);
       decode_codes<BITS, G>(wg, wv[n]);
       load_scales<MODE>(st, tile + n, g, super_of(st, g), vs[n], vo[n]);
     }
@@ -360,7 +375,8 @@ void amx_block(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
   const int8_t* xb = xq + xq_at<G>(r0, 0, groups);
   for (int64_t g0 = 0; g0 < groups; g0 += kChunk) {
     const int chunk = static_cast<int>(std::min<int64_t>(kChunk, groups - g0));
-    for (int j = 0; j < chunk; ++j) unpack_group<BITS, G>(w + (tile * groups + g0 + j) * kTileBytes, codes + j * kCodeBytes);
+    for (int j = 0; j < chunk; ++j)
+      unpack_group<BITS, G>(w + tile_slot(tile, g0 + j, groups) * kTileBytes, codes + j * kCodeBytes);
     if (chunk == kChunk) {
       _tile_loadd(4, xb + (g0 + 0) * kRowBlock * G, G);
       _tile_loadd(6, codes + 0 * kCodeBytes, 64);
@@ -492,19 +508,20 @@ void dispatch_mode(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& 
 
 namespace dynaspec_ops {
 
-// x [rows, in] (float32/bfloat16/float16); w [tiles, groups, tile bytes] uint8 -> [rows, n_out] float32.
-// scales by mode: kScaleF32: f32 [tiles, groups, 2, 16] (scale, offset), sub empty; kScaleF16: f32
-// empty, sub int16 [tiles, groups, 2, 16] (f16 bits); kScaleSuper: f32 [tiles, supers, 2, 16] (d,
-// dmin), sub int8 [tiles, groups, 2, 16] (sc, m); kScaleF16Sym and kScaleSuperSym: the same with
-// the second field (the offset) left out. amx_min_rows: calls with at least this many rows use AMX
+// x [rows, in] (float32/bfloat16/float16); w [tiles / 2, groups, 2, tile bytes] uint8 (pack_tiles)
+// -> [rows, n_out] float32. Scales by mode, each [tiles / 2, groups or supers, 2, fields, 16] (the
+// pairs interleaved as the codes, tile_slot): kScaleF32: f32 (scale, offset), sub empty; kScaleF16:
+// f32 empty, sub int16 (f16 bits); kScaleSuper: f32 per super-block (d, dmin), sub int8 per group
+// (sc, m); kScaleF16Sym and kScaleSuperSym: the same with the second field (the offset) left out. amx_min_rows: calls with at least this many rows use AMX
 // tiles where available (same results).
 at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& f32, const at::Tensor& sub,
                     int64_t n_out, int64_t group, int64_t bits, int64_t mode, int64_t super_groups,
                     int64_t amx_min_rows) {
   TORCH_CHECK(x.dim() == 2, "qmm_vnni: x must be [rows, in]");
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(), "qmm_vnni: w must be contiguous uint8 [tiles, groups, bytes]");
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == kTilesPerStep && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "qmm_vnni: w must be contiguous uint8 [tiles / 2, groups, 2, bytes]");
   TORCH_CHECK(f32.scalar_type() == at::kFloat && f32.is_contiguous() && sub.is_contiguous(), "qmm_vnni: bad scale tensors");
-  const int64_t tiles = w.size(0), groups = w.size(1);
+  const int64_t tiles = w.size(0) * kTilesPerStep, groups = w.size(1);
   TORCH_CHECK(tiles % kTilesPerStep == 0 && tiles * kLanes >= n_out, "qmm_vnni: bad tile count");
   TORCH_CHECK(x.size(1) == groups * group, "qmm_vnni: x's width does not match the packed weight");
   ScaleTable st{nullptr, nullptr, nullptr, groups, std::max<int64_t>(super_groups, 1), 0,
@@ -539,19 +556,19 @@ at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 }
 
 // codes [out, in] (uint8, or int8 shifted up by `shift` to unsigned) -> the tile layout qmm_vnni
-// reads, [tiles, groups, bytes] uint8, tiles = (out + pad) / 16 with the pad rows zero. Per tile and
-// group, step s (4 consecutive codes of each of 16 columns) is 64 bytes [lane * 4 + code]; for
+// reads, [tiles / 2, groups, 2, bytes] uint8 (tile_slot), tiles = (out + pad) / 16 with the pad rows
+// zero. Per tile and group, step s (4 consecutive codes of each of 16 columns) is 64 bytes [lane * 4 + code]; for
 // bits < 8 the low nibbles of steps s and s + steps/2 share a byte (low, high), and for 5/6 bits a
 // last 64-byte plane holds each step's top bits at bit s * (bits - 4).
 at::Tensor pack_tiles(const at::Tensor& codes, int64_t shift, int64_t bits, int64_t group, int64_t pad) {
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "pack_tiles: codes must be contiguous [out, in]");
   TORCH_CHECK(codes.scalar_type() == at::kByte || codes.scalar_type() == at::kChar, "pack_tiles: codes must be 8-bit");
   const int64_t out = codes.size(0), n_in = codes.size(1);
-  TORCH_CHECK(group % 8 == 0 && n_in % group == 0 && (out + pad) % kLanes == 0, "pack_tiles: shapes");
+  TORCH_CHECK(group % 8 == 0 && n_in % group == 0 && (out + pad) % (kLanes * kTilesPerStep) == 0, "pack_tiles: shapes");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "pack_tiles: bits");
   const int64_t tiles = (out + pad) / kLanes, groups = n_in / group, steps = group / 4;
   const int64_t bytes = bits == 8 ? steps * 64 : steps / 2 * 64 + (bits > 4 ? 64 : 0);
-  at::Tensor packed = at::zeros({tiles, groups, bytes}, codes.options().dtype(at::kByte));
+  at::Tensor packed = at::zeros({tiles / kTilesPerStep, groups, kTilesPerStep, bytes}, codes.options().dtype(at::kByte));
   const uint8_t* src = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   uint8_t* dst = packed.data_ptr<uint8_t>();
   const int width = static_cast<int>(bits) - 4;
@@ -571,7 +588,7 @@ at::Tensor pack_tiles(const at::Tensor& codes, int64_t shift, int64_t bits, int6
           for (int64_t s = 0; s < steps; ++s)  // 4 consecutive codes of this column per 64-byte step
             for (int c = 0; c < 4; ++c) ul[s * 64 + c] = static_cast<uint8_t>(in[s * 4 + c] + sh);
         }
-        uint8_t* o = dst + (t * groups + g) * bytes;
+        uint8_t* o = dst + tile_slot(t, g, groups) * bytes;
         if (bits == 8) {
           std::memcpy(o, u, steps * 64);
           continue;

@@ -1,6 +1,6 @@
 // qmatmul.cpp's ISA-specific half for CPUs without AVX-512 VNNI: AVX2 with FMA and F16C (every
 // x86-64 CPU since 2013-2015: Haswell, Zen). Included by qmatmul.cpp inside its namespace, after
-// the shared definitions (ScaleTable, tile_bytes, xq_at, prefetch_group).
+// the shared definitions (ScaleTable, tile_slot, tile_bytes, xq_at, prefetch_group).
 //
 // Same packed layout, same arithmetic, same bits as the AVX-512 half: a tile's 16 columns are two
 // 256-bit halves of 8 (each step's 64 bytes are [column][4 codes], so bytes 0-31 are columns 0-7),
@@ -84,8 +84,8 @@ inline __m256 f16_scales(const uint16_t* p) {
 template <int MODE>
 inline void load_scales(const ScaleTable& t, int64_t tile, int64_t g, int64_t sup, int h, __m256& vs, __m256& vo) {
   constexpr int64_t kFields = scale_fields(MODE);
-  const int64_t at = (tile * t.groups + g) * kFields * kLanes + h * kHalf;
-  const int64_t at_super = (tile * t.supers + sup) * kFields * kLanes + h * kHalf;
+  const int64_t at = tile_slot(tile, g, t.groups) * kFields * kLanes + h * kHalf;
+  const int64_t at_super = tile_slot(tile, sup, t.supers) * kFields * kLanes + h * kHalf;
   if constexpr (MODE == kScaleF32) {
     vs = _mm256_loadu_ps(t.f32 + at);
     vo = _mm256_loadu_ps(t.f32 + at + kLanes);
@@ -152,7 +152,7 @@ template <int MODE>
 inline void prefetch_scales(const ScaleTable& t, int64_t tile, int64_t g) {
   if (g >= t.groups) return;
   constexpr int64_t kFields = scale_fields(MODE);
-  const int64_t at = (tile * t.groups + g) * kFields * kLanes;
+  const int64_t at = tile_slot(tile, g, t.groups) * kFields * kLanes;
   if constexpr (MODE == kScaleF32) {
     _mm_prefetch(reinterpret_cast<const char*>(t.f32 + at), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(t.f32 + at + kLanes), _MM_HINT_T0);
@@ -160,7 +160,7 @@ inline void prefetch_scales(const ScaleTable& t, int64_t tile, int64_t g) {
     _mm_prefetch(reinterpret_cast<const char*>(t.f16 + at), _MM_HINT_T0);
   } else {
     _mm_prefetch(reinterpret_cast<const char*>(t.sub + at), _MM_HINT_T0);
-    const int64_t sup = (tile * t.supers + super_of(t, g)) * kFields * kLanes;
+    const int64_t sup = tile_slot(tile, super_of(t, g), t.supers) * kFields * kLanes;
     _mm_prefetch(reinterpret_cast<const char*>(t.f32 + sup), _MM_HINT_T0);
     if constexpr (kFields == 2) _mm_prefetch(reinterpret_cast<const char*>(t.f32 + sup + kLanes), _MM_HINT_T0);
   }
@@ -211,7 +211,7 @@ inline __m256i dot_half(const __m256i (&v)[G / 4], const int8_t* xr) {
 template <int BITS, int G, int MODE>
 inline void prefetch_ahead(const uint8_t* wg, const ScaleTable& st, int64_t tile, int64_t g, int64_t groups) {
   constexpr int kTileBytes = tile_bytes<BITS, G>();
-  if (g + kPrefetchGroups < groups) prefetch_group<kTileBytes>(wg + kPrefetchGroups * kTileBytes);
+  if (g + kPrefetchGroups < groups) prefetch_group<kTileBytes>(wg + kPrefetchBytes<kTileBytes>);
   prefetch_scales<MODE>(st, tile, g + kPrefetchGroups);
 }
 
@@ -219,12 +219,12 @@ inline void prefetch_ahead(const uint8_t* wg, const ScaleTable& st, int64_t tile
 // half streams this tile from memory, kPrefetchGroups ahead; the second reads it again from cache,
 // while the next tile comes from memory.
 template <int BITS, int G, int MODE>
-inline void prefetch_sweep(const uint8_t* wg, const ScaleTable& st, int64_t tile, int h, int64_t g, int64_t groups) {
+inline void prefetch_sweep(const uint8_t* w, const ScaleTable& st, int64_t tile, int h, int64_t g, int64_t groups) {
   constexpr int kTileBytes = tile_bytes<BITS, G>();
   if (h == 0) {
-    prefetch_ahead<BITS, G, MODE>(wg, st, tile, g, groups);
+    prefetch_ahead<BITS, G, MODE>(w + tile_slot(tile, g, groups) * kTileBytes, st, tile, g, groups);
   } else {
-    prefetch_group<kTileBytes>(wg + groups * kTileBytes);
+    prefetch_group<kTileBytes>(w + tile_slot(tile + 1, g, groups) * kTileBytes);
     prefetch_scales<MODE>(st, tile + 1, g);
   }
 }
@@ -244,10 +244,9 @@ inline void half_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int 
   constexpr int kTileBytes = tile_bytes<BITS, G>();
   __m256 a[R];
   for (int i = 0; i < R; ++i) a[i] = _mm256_setzero_ps();
-  const uint8_t* wt = w + tile * groups * kTileBytes;
   for (int64_t g = 0, sup = 0, in_sup = 0; g < groups; ++g) {
-    const uint8_t* wg = wt + g * kTileBytes;
-    prefetch_sweep<BITS, G, MODE>(wg, st, tile, h, g, groups);
+    const uint8_t* wg = w + tile_slot(tile, g, groups) * kTileBytes;
+    prefetch_sweep<BITS, G, MODE>(w, st, tile, h, g, groups);
     __m256i wv[G / 4];
     __m256 vs, vo;
     load_half<BITS, G, MODE>(wg, st, tile, g, sup, h, wv, vs, vo);
@@ -276,10 +275,9 @@ inline void half_rows_steps(const uint8_t* w, const ScaleTable& st, int64_t tile
   __m256 a[R];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) a[i] = _mm256_setzero_ps();
-  const uint8_t* wt = w + tile * groups * kTileBytes;
   for (int64_t g = 0, sup = 0, in_sup = 0; g < groups; ++g) {
-    const uint8_t* wg = wt + g * kTileBytes;
-    prefetch_sweep<BITS, G, MODE>(wg, st, tile, h, g, groups);
+    const uint8_t* wg = w + tile_slot(tile, g, groups) * kTileBytes;
+    prefetch_sweep<BITS, G, MODE>(w, st, tile, h, g, groups);
     const int8_t* xr[R];
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) xr[i] = xq + xb_at<G>(r0 + i, g, groups);
@@ -358,7 +356,7 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t sup = super_of(st, g);
     for (int n = 0; n < kTilesPerStep; ++n) {
-      const uint8_t* wg = w + ((tile + n) * groups + g) * kTileBytes;
+      const uint8_t* wg = w + tile_slot(tile + n, g, groups) * kTileBytes;
       prefetch_ahead<BITS, G, MODE>(wg, st, tile + n, g, groups);
       for (int h = 0; h < 2; ++h) {
         __m256i wv[G / 4];
@@ -387,7 +385,7 @@ void tile_step_row(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t
     const int8_t* xr = xq + xb_at<G>(r, g, groups);
     const float xsg = xs[r * groups + g], xcg = xc[r * groups + g];
     for (int n = 0; n < kTilesPerStep; ++n) {
-      const uint8_t* wg = w + ((tile + n) * groups + g) * kTileBytes;
+      const uint8_t* wg = w + tile_slot(tile + n, g, groups) * kTileBytes;
       prefetch_ahead<BITS, G, MODE>(wg, st, tile + n, g, groups);
       for (int h = 0; h < 2; ++h) {
         __m256i wv[G / 4];
