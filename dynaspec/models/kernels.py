@@ -15,12 +15,20 @@ KERNEL_SOURCES = [
 ]
 
 
+def kernel_march() -> str:
+    """The CPU the kernels are built for: ``-march=native`` unless ``DYNASPEC_KERNEL_MARCH`` names
+    another (gcc's names: ``znver3`` builds the AVX2 half on an AVX-512 machine, to measure it there;
+    ``x86-64-v3`` for a build that runs on any AVX2 CPU)."""
+    return os.environ.get("DYNASPEC_KERNEL_MARCH", "native")
+
+
 @functools.cache
 def kernel_digest() -> str:
-    """A hash of the C++ operators' sources: names their build, and keys the cached auto profile
-    (a kernel change changes what each step costs)."""
+    """A hash of the C++ operators' sources (and the target CPU when not native): names their build,
+    and keys the cached auto profile (a kernel change changes what each step costs)."""
     hashed = sorted([*KERNEL_SOURCES, *KERNEL_SOURCES[0].parent.glob("*.h")])
-    return hashlib.sha256(b"".join(p.read_bytes() for p in hashed)).hexdigest()[:12]
+    march = b"" if kernel_march() == "native" else kernel_march().encode()
+    return hashlib.sha256(b"".join(p.read_bytes() for p in hashed) + march).hexdigest()[:12]
 
 
 @functools.cache
@@ -51,7 +59,7 @@ def kernel_error() -> str | None:
         cpp_extension.load(
             name=f"dynaspec_kernels_{kernel_digest()}",
             sources=[str(p) for p in KERNEL_SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP in the headers
+            extra_cflags=["-O3", f"-march={kernel_march()}", "-fopenmp"],  # parallel_for is OpenMP
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
