@@ -21,6 +21,7 @@ from dynaspec.provenance import git_commit
 
 def environment() -> dict[str, Any]:
     from dynaspec.engine.profiler import cpu_name
+    from dynaspec.models.kernels import kernel_march
 
     cpu = cpu_name()
     return {
@@ -30,6 +31,7 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": cpu,
+        "kernel_march": kernel_march(),  # the CPU the C++ kernels were built for (DYNASPEC_KERNEL_MARCH)
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "platform": platform.platform(),
         "command": " ".join(sys.argv),
