@@ -38,7 +38,8 @@ constexpr int64_t kGroups = 48, kChunk = 256, kPerThread = int64_t{128} << 20;
 int64_t read(const uint8_t* base, int pattern) {
   __m256i acc = _mm256_setzero_si256();
   auto eat = [&](const uint8_t* p) {
-    for (int l = 0; l < kChunk; l += 32) acc = _mm256_add_epi32(acc, _mm256_loadu_si256((const __m256i*)(p + l)));
+    for (int l = 0; l < kChunk; l += 32)
+      acc = _mm256_add_epi32(acc, _mm256_loadu_si256((const __m256i*)(p + l)));
   };
   const int64_t chunks = kPerThread / kChunk, tile = kGroups * kChunk;
   if (pattern == 0 || pattern == 2) {
