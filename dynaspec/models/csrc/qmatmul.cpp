@@ -117,6 +117,13 @@ inline void prefetch_group(const uint8_t* p) {
   for (int line = 0; line < kBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
 }
 
+// The general loop (a call of many rows: a prefill chunk, a wide verify) takes its rows this many
+// at a time: each group's decoded codes then serve a chunk whose sums (64 x 32 floats, 8 KiB) and
+// activation codes stay in L1, where all 512 rows of a prefill chunk sent both through L2 once
+// per group. A tile pair's codes (29 KiB at 1,536 inputs) are read again per chunk from cache.
+// The same operations per row in the same order: the same bits.
+constexpr int64_t kRowChunk = 64;
+
 // The ISA-specific half: AVX-512 VNNI (and AMX) where the compiler targets them, else AVX2
 // (qmatmul_avx2.h). Both read the same packed layout and give the same bits.
 #if DYNASPEC_AVX512_VNNI
@@ -307,6 +314,12 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
         r += 1;
       }
     }
+    return;
+  }
+  if (r_end - r_begin > kRowChunk) {
+    for (int64_t r = r_begin; r < r_end; r += kRowChunk)
+      tile_step<BITS, G, MODE>(w, st, tile, groups, xq, xs, xc, r, std::min(r + kRowChunk, r_end),
+                               acc + (r - r_begin) * kWidth);
     return;
   }
   std::memset(acc, 0, sizeof(float) * (r_end - r_begin) * kWidth);
