@@ -147,6 +147,17 @@ def test_vnni_is_batch_invariant(kind: str, dtype: torch.dtype, amx_min_rows: in
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_vnni_is_batch_invariant_across_row_parts(qtype: T) -> None:
+    """A wide layer's rows go in parts (kXqPartBytes: on AVX2, 192 rows of 8,960 inputs a part);
+    300 rows span two parts there, and each row still equals itself alone."""
+    shape = (64, 8960)
+    layer = QuantLinear(decode_blocks(random_blocks(qtype, shape, 0), qtype, shape), path="vnni")
+    x = torch.randn(300, shape[1], generator=torch.Generator().manual_seed(5))
+    assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(len(x))]))
+
+
+@needs_kernel
 def test_default_path_is_the_kernel() -> None:
     assert default_path(_weight("q4_affine")) == "vnni"
     assert QuantLinear(_weight("q6_k")).path == "vnni"

@@ -124,6 +124,14 @@ inline void prefetch_group(const uint8_t* p) {
 // The same operations per row in the same order: the same bits.
 constexpr int64_t kRowChunk = 64;
 
+// Each tile pair reads every row's activation codes once per group. Where all rows' codes outgrow
+// the L3 (AVX2's broadcast form holds 8 bytes a code: 36 MB for a prefill chunk of 512 rows of the
+// 1.5B's 8,960-input down projection), every tile pair read them from memory: the down projection
+// took 1.2x the time of gate/up, which has twice its weights. So a call's rows go in parts whose
+// codes fit this many bytes, each part over every tile pair (the weights read once per part).
+// With 1-byte codes (AVX-512) a prefill chunk is one part.
+constexpr int64_t kXqPartBytes = int64_t{16} << 20;
+
 // The ISA-specific half: AVX-512 VNNI (and AMX) where the compiler targets them, else AVX2
 // (qmatmul_avx2.h). Both read the same packed layout and give the same bits.
 #if DYNASPEC_AVX512_VNNI
@@ -490,21 +498,26 @@ void run(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& st, int64_
 #endif
   if (amx_rows >= rows) return;
   constexpr int kWidth = kTilesPerStep * kLanes;
-  at::parallel_for(0, tiles / kTilesPerStep, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc((rows - amx_rows) * kWidth);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t tile = p * kTilesPerStep;
-      if (rows - amx_rows == 1)
-        tile_step_row<BITS, G, MODE>(wp, st, tile, groups, xq.data(), xs.data(), xc.data(), amx_rows, acc.data());
-      else
-        tile_step<BITS, G, MODE>(wp, st, tile, groups, xq.data(), xs.data(), xc.data(), amx_rows, rows, acc.data());
-      const int64_t col0 = tile * kLanes;
-      const int64_t width = std::min<int64_t>(kWidth, n_out - col0);
-      if (width <= 0) continue;
-      for (int64_t r = amx_rows; r < rows; ++r)
-        std::memcpy(op + r * n_out + col0, acc.data() + (r - amx_rows) * kWidth, sizeof(float) * width);
-    }
-  });
+  // rows in parts whose activation codes fit kXqPartBytes, each part over every tile pair
+  const int64_t part = std::max<int64_t>(kRowChunk, kXqPartBytes / (n_in * kXqBytes) / kRowChunk * kRowChunk);
+  for (int64_t c0 = amx_rows; c0 < rows; c0 += part) {
+    const int64_t c1 = std::min(c0 + part, rows);
+    at::parallel_for(0, tiles / kTilesPerStep, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<float> acc((c1 - c0) * kWidth);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t tile = p * kTilesPerStep;
+        if (c1 - c0 == 1)
+          tile_step_row<BITS, G, MODE>(wp, st, tile, groups, xq.data(), xs.data(), xc.data(), c0, acc.data());
+        else
+          tile_step<BITS, G, MODE>(wp, st, tile, groups, xq.data(), xs.data(), xc.data(), c0, c1, acc.data());
+        const int64_t col0 = tile * kLanes;
+        const int64_t width = std::min<int64_t>(kWidth, n_out - col0);
+        if (width <= 0) continue;
+        for (int64_t r = c0; r < c1; ++r)
+          std::memcpy(op + r * n_out + col0, acc.data() + (r - c0) * kWidth, sizeof(float) * width);
+      }
+    });
+  }
 }
 
 template <int BITS, int G>
