@@ -54,7 +54,7 @@ constexpr int kRowBlock = 16;  // activation codes are stored in blocks of 16 ro
 // fields, 16]. A thread's share of the columns is then one sequential stream of codes and one of
 // scales. Stored one tile after the other, a pair was two streams 12 KB apart (the 1.5B's 1,536
 // inputs), which the hardware prefetchers followed at half the rate of one (zen5, one core,
-// benchmarks/probes/read_streams.py: 14-16 GB/s against 28-30).
+// benchmarks/probes/read_streams.py: 16.5 GB/s against 33.8).
 inline int64_t tile_slot(int64_t tile, int64_t g, int64_t groups) {
   return ((tile / kTilesPerStep) * groups + g) * kTilesPerStep + tile % kTilesPerStep;
 }
@@ -117,11 +117,11 @@ inline void prefetch_group(const uint8_t* p) {
   for (int line = 0; line < kBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
 }
 
-// The general loop (a call of many rows: a prefill chunk, a wide verify) takes its rows this many
-// at a time: each group's decoded codes then serve a chunk whose sums (64 x 32 floats, 8 KiB) and
-// activation codes stay in L1, where all 512 rows of a prefill chunk sent both through L2 once
-// per group. A tile pair's codes (29 KiB at 1,536 inputs) are read again per chunk from cache.
-// The same operations per row in the same order: the same bits.
+// A tile pair's loop (tile_step) takes a call's rows this many at a time (run): each group's
+// decoded codes then serve a chunk whose sums (64 x 32 floats, 8 KiB) and activation codes stay in
+// L1, where all 512 rows of a prefill chunk sent both through L2 once per group. A tile pair's
+// codes (29 KiB at 1,536 inputs) are read again per chunk from cache. The same operations per row
+// in the same order: the same bits.
 constexpr int64_t kRowChunk = 64;
 
 // Each tile pair reads every row's activation codes once per group. Where all rows' codes outgrow
@@ -324,12 +324,6 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
     }
     return;
   }
-  if (r_end - r_begin > kRowChunk) {
-    for (int64_t r = r_begin; r < r_end; r += kRowChunk)
-      tile_step<BITS, G, MODE>(w, st, tile, groups, xq, xs, xc, r, std::min(r + kRowChunk, r_end),
-                               acc + (r - r_begin) * kWidth);
-    return;
-  }
   std::memset(acc, 0, sizeof(float) * (r_end - r_begin) * kWidth);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i wv[kTilesPerStep][kSteps];
@@ -498,7 +492,8 @@ void run(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& st, int64_
 #endif
   if (amx_rows >= rows) return;
   constexpr int kWidth = kTilesPerStep * kLanes;
-  // rows in parts whose activation codes fit kXqPartBytes, each part over every tile pair
+  // rows in parts whose activation codes fit kXqPartBytes, each part over every tile pair, and
+  // each tile pair's call over a part in chunks of kRowChunk rows
   const int64_t part = std::max<int64_t>(kRowChunk, kXqPartBytes / (n_in * kXqBytes) / kRowChunk * kRowChunk);
   for (int64_t c0 = amx_rows; c0 < rows; c0 += part) {
     const int64_t c1 = std::min(c0 + part, rows);
@@ -506,10 +501,14 @@ void run(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& st, int64_
       std::vector<float> acc((c1 - c0) * kWidth);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t tile = p * kTilesPerStep;
-        if (c1 - c0 == 1)
-          tile_step_row<BITS, G, MODE>(wp, st, tile, groups, xq.data(), xs.data(), xc.data(), c0, acc.data());
-        else
-          tile_step<BITS, G, MODE>(wp, st, tile, groups, xq.data(), xs.data(), xc.data(), c0, c1, acc.data());
+        for (int64_t r = c0; r < c1; r += kRowChunk) {
+          const int64_t r1 = std::min(r + kRowChunk, c1);
+          float* ar = acc.data() + (r - c0) * kWidth;
+          if (r1 - r == 1)
+            tile_step_row<BITS, G, MODE>(wp, st, tile, groups, xq.data(), xs.data(), xc.data(), r, ar);
+          else
+            tile_step<BITS, G, MODE>(wp, st, tile, groups, xq.data(), xs.data(), xc.data(), r, r1, ar);
+        }
         const int64_t col0 = tile * kLanes;
         const int64_t width = std::min<int64_t>(kWidth, n_out - col0);
         if (width <= 0) continue;
@@ -538,8 +537,8 @@ namespace dynaspec_ops {
 // -> [rows, n_out] float32. Scales by mode, each [tiles / 2, groups or supers, 2, fields, 16] (the
 // pairs interleaved as the codes, tile_slot): kScaleF32: f32 (scale, offset), sub empty; kScaleF16:
 // f32 empty, sub int16 (f16 bits); kScaleSuper: f32 per super-block (d, dmin), sub int8 per group
-// (sc, m); kScaleF16Sym and kScaleSuperSym: the same with the second field (the offset) left out. amx_min_rows: calls with at least this many rows use AMX
-// tiles where available (same results).
+// (sc, m); kScaleF16Sym and kScaleSuperSym: the same with the second field (the offset) left out.
+// amx_min_rows: calls with at least this many rows use AMX tiles where available (same results).
 at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& f32, const at::Tensor& sub,
                     int64_t n_out, int64_t group, int64_t bits, int64_t mode, int64_t super_groups,
                     int64_t amx_min_rows) {
@@ -583,9 +582,9 @@ at::Tensor qmm_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 
 // codes [out, in] (uint8, or int8 shifted up by `shift` to unsigned) -> the tile layout qmm_vnni
 // reads, [tiles / 2, groups, 2, bytes] uint8 (tile_slot), tiles = (out + pad) / 16 with the pad rows
-// zero. Per tile and group, step s (4 consecutive codes of each of 16 columns) is 64 bytes [lane * 4 + code]; for
-// bits < 8 the low nibbles of steps s and s + steps/2 share a byte (low, high), and for 5/6 bits a
-// last 64-byte plane holds each step's top bits at bit s * (bits - 4).
+// zero. Per tile and group, step s (4 consecutive codes of each of 16 columns) is 64 bytes
+// [lane * 4 + code]; for bits < 8 the low nibbles of steps s and s + steps/2 share a byte (low,
+// high), and for 5/6 bits a last 64-byte plane holds each step's top bits at bit s * (bits - 4).
 at::Tensor pack_tiles(const at::Tensor& codes, int64_t shift, int64_t bits, int64_t group, int64_t pad) {
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "pack_tiles: codes must be contiguous [out, in]");
   TORCH_CHECK(codes.scalar_type() == at::kByte || codes.scalar_type() == at::kChar, "pack_tiles: codes must be 8-bit");

@@ -352,12 +352,6 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
       }
     return;
   }
-  if (rows > kRowChunk) {
-    for (int64_t r = r_begin; r < r_end; r += kRowChunk)
-      tile_step<BITS, G, MODE>(w, st, tile, groups, xq, xs, xc, r, std::min(r + kRowChunk, r_end),
-                               acc + (r - r_begin) * kWidth);
-    return;
-  }
   std::memset(acc, 0, sizeof(float) * rows * kWidth);
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t sup = super_of(st, g);
