@@ -1,15 +1,16 @@
 """Measuring what the goodput policy needs: acceptance per position and ITL(batch size, K).
 
-Everything runs in this process on one engine: acceptance comes from generating on a dataset at
-the maximum K; ITL(bs, K) is the median wall time of an engine step (draft + verify + sample) with
-exactly bs requests decoding. A shared CPU drifts by tens of percent within minutes, and the
-policy compares K against K at one batch size, so a batch size's K cells are measured
-interleaved: ``rounds`` visits of every K (0..max, then max..0, ...), each a warm-up step
-(which also absorbs the drafter's catch-up after a K=0 visit) and ``measured_steps`` timed
-steps; drift then lands on every K alike. Every step is also timed pass by pass (target; each
-drafter pass) and, together with drafter passes over whole prompts (the catch-up a new request
-costs), fitted into the profile's ``cost_model``, the prior of the goodput policy's live cost
-model.
+Everything runs in this process on one engine: acceptance comes from generating on a dataset at the
+maximum K; ITL(bs, K) is the median wall time of an engine step (draft + verify + sample) with
+exactly bs requests decoding. A shared CPU drifts by tens of percent within minutes, and the policy
+compares K against K at one batch size, so a batch size's K cells are measured interleaved:
+``rounds`` visits of every K (0..max, then max..0, ...), each a warm-up step (which also absorbs the
+drafter's catch-up after a K=0 visit) and ``measured_steps`` timed steps; drift then lands on every
+K alike. The first, dense batch sizes (the policy's closest calls) go in passes, every dense batch
+size in turn each round, so it lands on them alike too. Every step is also timed pass by pass
+(target; each drafter pass) and, together with drafter passes over whole prompts (the catch-up a new
+request costs), fitted into the profile's ``cost_model``, the prior of the goodput policy's live
+cost model.
 
 ``auto_profile`` is ``"dynamic_config_path": "auto"``: a quick profile of the engine on first use
 (``engine.build.build_engine`` runs it; the engine never profiles itself), cached under the cache
@@ -65,8 +66,9 @@ log = logging.getLogger(__name__)
 # visited in rotated order and outlying cells visited again; 5 = the first batch sizes timed
 # densely, the cost model fitted within the grid's bounds (issue 37); 6 = a context axis (issue 40);
 # 7 = close calls between drafting and not visited again (issue 37). Rows timed again when out of line
-# with their neighbours' (``rows_out_of_line``) changed no cached profile: one out of line is not cached
-PROFILER_VERSION = 7
+# with their neighbours' (``rows_out_of_line``) changed no cached profile: one out of line is not cached.
+# 8 = the dense rows timed in passes, each pass every dense batch size in turn (issue 37)
+PROFILER_VERSION = 8
 
 
 @dataclass(slots=True)
@@ -237,23 +239,48 @@ def measure_itl(
     def visit(k: int, measured_steps: int) -> list[float]:
         return _visit(engine, k, settings.warmup_steps, measured_steps, contexts)
 
-    def time_row(i: int, bs: int, bar: tqdm) -> dict[int, float]:
+    def time_row(i: int, bs: int, bar: tqdm, times: dict[int, list[float]] | None = None) -> dict[int, float]:
+        """Row i (batch size bs): its rounds, unless ``times`` holds them already (the dense rows'
+        passes), then its revisits and close calls."""
         rounds, measured_steps = _rounds(settings, i), _measured_steps(settings, i)
-        # enough tokens for every visit to run its steps without any request finishing
-        steps_per_visit = settings.warmup_steps + measured_steps
-        visits_at_most = (rounds + settings.revisits) * len(ks) + 4 * settings.close_rounds
-        budget = visits_at_most * steps_per_visit * (settings.max_k + 1) + 8
-        params = SamplingParams(max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0)
-        requests = [engine.add_request(prompts[j % len(prompts)], params) for j in range(bs)]
-        with _fixed_k(engine, 0):
-            while not all(r.is_decoding for r in requests):  # prefill everyone first
-                engine.step()
-        times: dict[int, list[float]] = {k: [] for k in ks}
+        visits_at_most = (
+            (0 if times else rounds) * len(ks) + settings.revisits * len(ks) + 4 * settings.close_rounds
+        )
+        steps = visits_at_most * (settings.warmup_steps + measured_steps)
+        with _decoding(engine, prompts, bs, settings, steps):
+            if times is None:
+                times = {k: [] for k in ks}
+                for order in visit_order(ks, rounds):
+                    for k in order:
+                        times[k].extend(visit(k, measured_steps))
+                        bar.update(1)
+            return revisit_row(bs, times, measured_steps, bar)
+
+    def dense_passes(sizes: list[int], bar: tqdm) -> dict[int, dict[int, list[float]]]:
+        """The dense rows' rounds as passes: pass r visits every dense batch size in turn, each
+        with fresh requests, at round r's K order. A stretch of a shared CPU slower than the rest
+        then lands on every dense row alike, and each row's figures span the whole time all of
+        them took: two zen5 auto profiles of the pair, each row timed whole in turn, put ITL(1, 0)
+        at 23.6 and 18.9 ms and the line of the first one's drafting cells above its batch-2 line
+        (24.6 against 23.4 ms at K=0), where 12 later rows timed pass by pass read 17.4-19.0
+        (issue 37, the results diary)."""
+        pooled: dict[int, dict[int, list[float]]] = {bs: {k: [] for k in ks} for bs in sizes}
+        for order in visit_order(ks, _rounds(settings, 0)):
+            for i, bs in enumerate(sizes):
+                measured_steps = _measured_steps(settings, i)
+                with _decoding(
+                    engine, prompts, bs, settings, len(ks) * (settings.warmup_steps + measured_steps)
+                ):
+                    for k in order:
+                        pooled[bs][k].extend(visit(k, measured_steps))
+                        bar.update(1)
+        return pooled
+
+    def revisit_row(
+        bs: int, times: dict[int, list[float]], measured_steps: int, bar: tqdm
+    ) -> dict[int, float]:
+        """Row bs's outlying cells visited again, then its close call, its requests decoding."""
         again: dict[int, list[float]] = {}
-        for order in visit_order(ks, rounds):
-            for k in order:
-                times[k].extend(visit(k, measured_steps))
-                bar.update(1)
         for _ in range(settings.revisits):
             cells = outlying_cells(_medians(times, again))
             if not cells:
@@ -277,8 +304,6 @@ def measure_itl(
                 bar.update(1)
         if revisited is not None and again:
             revisited[bs] = sorted(again)
-        for r in requests:
-            engine.abort(r.request_id)
         return {k: round(ms, 3) for k, ms in _medians(times, again).items()}
 
     with (
@@ -286,6 +311,8 @@ def measure_itl(
         engine.recording() as run,
         filled_drafts(engine),
     ):
+        dense = settings.batch_sizes[: settings.dense_batch_sizes]
+        pooled = dense_passes(dense, bar) if len(dense) > 1 else {}
         for i, bs in enumerate(settings.batch_sizes):
             spent = time.perf_counter() - began
             if settings.time_budget_s is not None and i >= MIN_BATCH_SIZES and spent > settings.time_budget_s:
@@ -297,7 +324,7 @@ def measure_itl(
                     settings.batch_sizes[i:],
                 )
                 break
-            batch_stats[bs] = time_row(i, bs, bar)
+            batch_stats[bs] = time_row(i, bs, bar, pooled.get(bs))
         for _ in range(settings.revisits):
             suspects = rows_out_of_line(batch_stats)
             if not suspects:
@@ -311,6 +338,25 @@ def measure_itl(
     if timings is not None:
         timings.extend(run.timings)
     return batch_stats
+
+
+@contextlib.contextmanager
+def _decoding(
+    engine: Engine, prompts: list, bs: int, settings: ProfileSettings, steps: int
+) -> Iterator[list]:
+    """``bs`` requests prefilled and decoding, with tokens enough for ``steps`` steps at any K
+    without one finishing; aborted after."""
+    budget = steps * (settings.max_k + 1) + 8
+    params = SamplingParams(max_tokens=budget, temperature=settings.temperature, ignore_eos=True, seed=0)
+    requests = [engine.add_request(prompts[j % len(prompts)], params) for j in range(bs)]
+    try:
+        with _fixed_k(engine, 0):
+            while not all(r.is_decoding for r in requests):  # prefill everyone first
+                engine.step()
+        yield requests
+    finally:
+        for r in requests:
+            engine.abort(r.request_id)
 
 
 def _medians(times: dict[int, list[float]], again: dict[int, list[float]]) -> dict[int, float]:
@@ -606,13 +652,13 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
     24 plain rows cost nearly what 32 do (196 and 205 ms in the n-gram auto profile here, where a
     line through 16 and 32 says 162; the results diary, "The n-gram grid").
 
-    The first three batch sizes get three rounds of three timed steps (and the drafter's catch-up two
-    timed passes): they are the cheapest cells (about 15 s more on the AVX-512 EPYC, taken from the
-    same budget) and the ones the cost model's fit and the policy's closest calls rest on. With two
-    steps a cell and one round, a quick draft-pair grid fitted a drafter pass of 75 ms with a negative
-    slope per row where its grid showed ~10 ms, and the policy never drafted (issue 37). A batch
-    size where drafting or not is a close call by the measured acceptance gets two more rounds of
-    its two cells (``close_call``).
+    The first three batch sizes get three rounds of three timed steps, in passes (1, 2, 4, 1, 2, 4,
+    ...), and the drafter's catch-up two timed passes: they are the cheapest cells (about 15 s more
+    on the AVX-512 EPYC, taken from the same budget) and the ones the cost model's fit and the
+    policy's closest calls rest on. With two steps a cell and one round, a quick draft-pair grid
+    fitted a drafter pass of 75 ms with a negative slope per row where its grid showed ~10 ms, and
+    the policy never drafted (issue 37). A batch size where drafting or not is a close call by the
+    measured acceptance gets two more rounds of its two cells (``close_call``).
 
     The context axis: batch sizes 1, 4 and 8 at K = 0, max_k / 2 and max_k over contexts of
     AUTO_CONTEXT_TOKENS a request, two rounds (``measure_context_itl``: no prefill of the long

@@ -110,6 +110,36 @@ def test_itl_cells_are_visited_in_rounds_and_catchup_is_timed_on_lent_blocks(tar
     assert engine.allocator.num_free == free  # lent blocks given back
 
 
+def test_dense_rows_are_timed_in_passes_each_pass_every_dense_row_in_turn(target_dir):
+    """The dense batch sizes' rounds go as passes (1, 2, 1, 2, ...: each pass every dense row at
+    one round's K order, fresh requests each), so a slow stretch lands on all of them alike; the
+    rest follow row by row, and every cell is still a median of its own steps."""
+    engine = make_engine(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    settings = ProfileSettings(
+        batch_sizes=[1, 2, 3],
+        max_k=2,
+        warmup_steps=0,
+        measured_steps=1,
+        rounds=1,
+        dense_batch_sizes=2,
+        dense_rounds=3,
+        dense_measured_steps=2,
+        revisits=0,
+    )
+    timings = []
+    stats = measure_itl(engine, PROMPTS, settings, progress=False, timings=timings)
+    assert sorted(stats) == [1, 2, 3] and all(sorted(row) == [0, 1, 2] for row in stats.values())
+    rows = [t.decode_rows for t in timings if t.prefill_tokens == 0]
+    # 3 passes x (row 1: 3 Ks x 2 steps, row 2: the same), then row 3: one round of 3 Ks x 1 step
+    assert rows == ([1] * 6 + [2] * 6) * 3 + [3] * 3
+    verified = [
+        t.verify_tokens // t.decode_rows for t in timings if t.prefill_tokens == 0 and t.decode_rows == 1
+    ]
+    # each pass at its round's K order (``visit_order``), every K twice a visit
+    assert verified == [k + 1 for order in visit_order([0, 1, 2], 3) for k in order for _ in range(2)]
+    assert engine.scheduler.running == [] and engine.allocator.num_free == engine.allocator.num_blocks
+
+
 def test_a_spent_time_budget_leaves_the_larger_batch_sizes_out(target_dir, caplog):
     """The quick profile's time budget: once spent, the batch sizes not begun are left to the grid's
     last slope, with a notice; the first three are measured whatever it says."""
