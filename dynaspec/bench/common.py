@@ -152,7 +152,15 @@ def without_context_axis(profile):
     """The profile as a context-blind policy reads it (every step priced at the grid's contexts)."""
     from dynaspec.kpolicy.profile import Profile
 
-    return Profile(**{**profile.__dict__, "context_stats": {}, "context_tokens": None, "context_cost": None})
+    return Profile(
+        **{
+            **profile.__dict__,
+            "context_stats": {},
+            "context_tokens": None,
+            "context_cost": None,
+            "context_cost_by_batch": None,
+        }
+    )
 
 
 def free_port() -> int:

@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
         "'' for none",
     )
     p.add_argument(
-        "--context-batch-sizes", default="1,4,8", help="batch sizes timed over each of --context-lengths"
+        "--context-batch-sizes", default="1,2,4,8", help="batch sizes timed over each of --context-lengths"
     )
     p.add_argument("--output", required=True, help="profile JSON to write")
     p.add_argument("--plot", default=None, help="PNG of goodput per K against batch size")
@@ -126,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     if profile.context_cost is not None:
         u, v = profile.context_cost
         print(f"context cost: {u:.3f} ms per request + {v:.3f} per draft token, per 1,000 context tokens")
+        for bs, (u, v) in sorted((profile.context_cost_by_batch or {}).items()):
+            print(f"  at {bs} requests: {u:.3f} ms per request + {v:.3f} per draft token")
     print("num_speculative_tokens_per_batch_size:", json.dumps(profile.num_speculative_tokens_per_batch_size))
     if args.plot:
         plot_goodput(profile, args.plot)

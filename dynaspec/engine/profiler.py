@@ -47,6 +47,7 @@ from dynaspec.kpolicy.profile import (
     Profile,
     acceptance_length,
     checked_cost_model,
+    context_cost_by_batch_of,
     context_cost_of,
     derive_table,
     implausible_plain_steps,
@@ -67,7 +68,8 @@ log = logging.getLogger(__name__)
 # densely, the cost model fitted within the grid's bounds (issue 37); 6 = a context axis (issue 40);
 # 7 = close calls between drafting and not visited again (issue 37). Rows timed again when out of line
 # with their neighbours' (``rows_out_of_line``) changed no cached profile: one out of line is not cached.
-# 8 = the dense rows timed in passes, each pass every dense batch size in turn (issue 37)
+# 8 = the dense rows timed in passes, each pass every dense batch size in turn (issue 37); context
+# cells at batch size 2 too, and a context cost per batch size (issue 40)
 PROFILER_VERSION = 8
 
 
@@ -99,7 +101,7 @@ class ProfileSettings:
     # the context axis (``measure_context_itl``): contexts per request (tokens) to time a few cells
     # over, at these batch sizes and Ks (default 0, max_k / 2 and max_k); () for none
     context_lengths: tuple[int, ...] = ()
-    context_batch_sizes: tuple[int, ...] = (1, 4, 8)
+    context_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     context_ks: tuple[int, ...] = ()
     context_rounds: int = 2
 
@@ -607,6 +609,7 @@ def _run_profile(
     )
     profile.cost_model = checked_cost_model(profile, name)
     profile.context_cost = context_cost_of(profile)
+    profile.context_cost_by_batch = context_cost_by_batch_of(profile)
     return profile
 
 
@@ -660,9 +663,11 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
     the policy never drafted (issue 37). A batch size where drafting or not is a close call by the
     measured acceptance gets two more rounds of its two cells (``close_call``).
 
-    The context axis: batch sizes 1, 4 and 8 at K = 0, max_k / 2 and max_k over contexts of
+    The context axis: batch sizes 1, 2, 4 and 8 at K = 0, max_k / 2 and max_k over contexts of
     AUTO_CONTEXT_TOKENS a request, two rounds (``measure_context_itl``: no prefill of the long
-    prompts), within half the grid's budget."""
+    prompts), within half the grid's budget; each batch size's cells get their own fit
+    (``kpolicy.context.fit_context_cost_by_batch``), so the sizes the policy decides most (1, 2,
+    4) each have theirs."""
     return ProfileSettings(
         batch_sizes=[b for b in (1, 2, 4, 8, 12, 16, 24, 32) if b <= max_num_seqs] or [1],
         max_k=max_k,
@@ -679,7 +684,7 @@ def auto_settings(max_k: int, max_num_seqs: int) -> ProfileSettings:
         close_rounds=2,
         time_budget_s=AUTO_TIME_BUDGET_S,
         context_lengths=(AUTO_CONTEXT_TOKENS,),
-        context_batch_sizes=tuple(b for b in (1, 4, 8) if b <= max_num_seqs) or (1,),
+        context_batch_sizes=tuple(b for b in (1, 2, 4, 8) if b <= max_num_seqs) or (1,),
     )
 
 

@@ -500,6 +500,7 @@ class GoodputK:
                 "reference_tokens": self.context_cost.reference,
                 "ms_per_row_per_1k_tokens": self.context_cost.per_row,
                 "ms_per_row_per_draft_per_1k_tokens": self.context_cost.per_draft,
+                "by_batch_size": {str(bs): [u, v] for bs, u, v in self.context_cost.by_batch},
             },
         }
 

@@ -9,6 +9,7 @@
  "context_tokens": 310.5,
  "context_stats": {"4096": {"1": {"0": 31.0, "5": 80.2}, "8": {...}}},
  "context_cost": [u, v],
+ "context_cost_by_batch": {"1": [u1, v1], "4": [u4, v4], "8": [u8, v8]},
  "meta": {"model": ..., "cpu": ..., "torch": ..., "date": ...}}
 ```
 ``batch_stats`` holds ITL(bs, K), the median engine step time in milliseconds. ``cost_model``
@@ -19,7 +20,9 @@ dropped on load (``checked_cost_model``): the grid is what was measured.
 
 The context axis (optional, ``kpolicy.context``): ``context_tokens`` is the grid's mean context per
 request, ``context_stats`` ITL(bs, K) cells timed over longer contexts (context -> bs -> K -> ms),
-and ``context_cost`` = [u, v] what context adds to a step, fitted on them on load when absent.
+and ``context_cost`` = [u, v] what context adds to a step, fitted on them on load when absent;
+``context_cost_by_batch`` the same fitted on each batch size's cells alone (where they hold two Ks),
+read at a step's batch size in their stead.
 """
 
 from __future__ import annotations
@@ -38,11 +41,12 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
 from dynaspec.kpolicy.acceptance import held_non_increasing
-from dynaspec.kpolicy.context import ContextCost, fit_context_cost
+from dynaspec.kpolicy.context import ContextCost, fit_context_cost, fit_context_cost_by_batch
 from dynaspec.kpolicy.cost import FIT_TOLERANCE, FIT_TOLERANCE_MS, GridBounds, grid_misfit
 
 log = logging.getLogger(__name__)
 COST_MODEL_KEYS = ("target_ms", "draft_pass_ms")
+CONTEXT_COST_SHAPE = "must be [ms per row, ms per row per draft token], per 1,000 context tokens"
 
 
 @dataclass(config=ConfigDict(extra="ignore"))
@@ -60,6 +64,9 @@ class Profile:
         dict[Annotated[int, Field(ge=1)], dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=0)]]],
     ] = field(default_factory=dict)
     context_cost: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = None  # [u, v]
+    context_cost_by_batch: (
+        dict[Annotated[int, Field(ge=1)], list[Annotated[float, Field(ge=0, allow_inf_nan=False)]]] | None
+    ) = None  # bs -> [u, v]
     # the drafter's catch-up per prompt token (ms), timed over whole prompts (None: not timed);
     # kept apart from ``cost_model`` because it prices the grid-priced fallback too
     catchup_ms_per_token: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
@@ -69,7 +76,14 @@ class Profile:
     @classmethod
     def _context_cost(cls, value: list[float] | None) -> list[float] | None:
         if value is not None and len(value) != 2:
-            raise ValueError("must be [ms per row, ms per row per draft token], per 1,000 context tokens")
+            raise ValueError(CONTEXT_COST_SHAPE)
+        return value
+
+    @field_validator("context_cost_by_batch")
+    @classmethod
+    def _context_cost_by_batch(cls, value: dict[int, list[float]] | None) -> dict[int, list[float]] | None:
+        if value is not None and any(len(uv) != 2 for uv in value.values()):
+            raise ValueError(f"each batch size's {CONTEXT_COST_SHAPE}")
         return value
 
     @field_validator("cost_model")
@@ -94,7 +108,11 @@ class Profile:
             str(c): {str(bs): {str(k): t for k, t in sorted(row.items())} for bs, row in sorted(grid.items())}
             for c, grid in sorted(self.context_stats.items())
         }
-        for key in ("cost_model", "context_tokens", "context_cost"):
+        if d["context_cost_by_batch"] is not None:
+            d["context_cost_by_batch"] = {
+                str(bs): uv for bs, uv in sorted(d["context_cost_by_batch"].items())
+            }
+        for key in ("cost_model", "context_tokens", "context_cost", "context_cost_by_batch"):
             if d[key] is None:
                 del d[key]
         if not d["context_stats"]:
@@ -129,6 +147,8 @@ def load_profile(path: str | Path) -> Profile:
     profile.cost_model = checked_cost_model(profile, str(path))
     if profile.context_cost is None:
         profile.context_cost = context_cost_of(profile)
+    if profile.context_cost_by_batch is None:
+        profile.context_cost_by_batch = context_cost_by_batch_of(profile)
     return profile
 
 
@@ -138,7 +158,12 @@ def context_model(profile: Profile) -> ContextCost | None:
     coefficients = profile.context_cost if profile.context_cost is not None else context_cost_of(profile)
     if profile.context_tokens is None or coefficients is None:
         return None
-    return ContextCost(float(profile.context_tokens), *map(float, coefficients))
+    by_batch = profile.context_cost_by_batch
+    if by_batch is None:
+        by_batch = context_cost_by_batch_of(profile) or {}
+    u, v = map(float, coefficients)
+    rows = tuple((bs, float(ub), float(vb)) for bs, (ub, vb) in sorted(by_batch.items()))
+    return ContextCost(float(profile.context_tokens), u, v, rows)
 
 
 def context_cost_of(profile: Profile) -> list[float] | None:
@@ -148,6 +173,17 @@ def context_cost_of(profile: Profile) -> list[float] | None:
         return None
     grid = smooth_itl(profile.batch_stats)
     return fit_context_cost(
+        lambda bs, k: interpolate_itl(grid, bs, k), profile.context_stats, profile.context_tokens
+    )
+
+
+def context_cost_by_batch_of(profile: Profile) -> dict[int, list[float]] | None:
+    """{bs: [u, v]} fitted on each batch size's long-context cells alone (``kpolicy.context``);
+    None without a context axis."""
+    if profile.context_tokens is None or not profile.context_stats or not profile.batch_stats:
+        return None
+    grid = smooth_itl(profile.batch_stats)
+    return fit_context_cost_by_batch(
         lambda bs, k: interpolate_itl(grid, bs, k), profile.context_stats, profile.context_tokens
     )
 

@@ -9,10 +9,17 @@ from support.engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggere
 from dynaspec.bench.common import without_context_axis
 from dynaspec.engine.profiler import ProfileSettings, measure_context_itl, measure_itl
 from dynaspec.engine.types import DraftCandidate, StepTiming
-from dynaspec.kpolicy.context import FLOOR, ContextCost, fit_context_cost
+from dynaspec.kpolicy.context import FLOOR, ContextCost, fit_context_cost, fit_context_cost_by_batch
 from dynaspec.kpolicy.cost import StepCostModel
 from dynaspec.kpolicy.goodput import GoodputK
-from dynaspec.kpolicy.profile import Profile, context_cost_of, load_profile, save_profile
+from dynaspec.kpolicy.profile import (
+    Profile,
+    context_cost_by_batch_of,
+    context_cost_of,
+    context_model,
+    load_profile,
+    save_profile,
+)
 
 ALPHA = [0.8, 0.64, 0.51, 0.41, 0.33]
 REFERENCE = 300.0
@@ -70,6 +77,78 @@ def test_the_profile_keeps_its_context_axis_through_a_file(tmp_path):
     assert "context" not in path.read_text() and load_profile(path).context_cost is None
     path.write_text(path.read_text().replace('"meta"', '"context_cost": [1.0], "meta"'))
     with pytest.raises(ValueError, match="context_cost"):
+        load_profile(path)
+
+
+# what a draft row adds per 1,000 context tokens, by batch size: falling with it, as the xeon's
+# cells at 4,096 tokens did (11.6, 7.9 and 5 ms a draft row at 1, 4 and 8 requests)
+V_BY_BATCH = {1: 3.0, 2: 2.6, 4: 2.0, 8: 1.3, 16: 1.3}
+
+
+def true_itl_by_batch(bs: int, k: int, context: float = REFERENCE) -> float:
+    return 20.0 + 1.5 * bs * (k + 1) + 4.0 * k + bs * (context - REFERENCE) / 1000 * (U + V_BY_BATCH[bs] * k)
+
+
+def profile_by_batch(cell_sizes=(1, 2, 4, 8)) -> Profile:
+    return Profile(
+        max_num_speculative_tokens=5,
+        acceptance_rate_per_pos=ALPHA,
+        batch_stats={bs: {k: true_itl_by_batch(bs, k) for k in range(6)} for bs in (1, 2, 4, 8, 16)},
+        context_tokens=REFERENCE,
+        context_stats={
+            4096: {bs: {k: true_itl_by_batch(bs, k, 4096) for k in (0, 3, 5)} for bs in cell_sizes}
+        },
+    )
+
+
+def test_the_context_cost_is_fitted_per_batch_size_and_read_at_the_step_s():
+    profile = profile_by_batch()
+    fitted = context_cost_by_batch_of(profile)
+    assert sorted(fitted) == [1, 2, 4, 8]
+    for bs, (u, v) in fitted.items():
+        assert u == pytest.approx(U, rel=1e-3) and v == pytest.approx(V_BY_BATCH[bs], rel=1e-3)
+    cost = context_model(profile)
+    assert cost.coefficients(1) == pytest.approx((U, 3.0), rel=1e-3)
+    assert cost.coefficients(6) == pytest.approx((U, 1.65), rel=1e-3)  # halfway between 4 and 8
+    assert cost.coefficients(32) == pytest.approx((U, 1.3), rel=1e-3)  # held beyond the last
+    assert cost.extra_ms(2, 2300.0, 3) == pytest.approx(2 * 2.0 * (U + 3 * 2.6), rel=1e-3)
+    # a batch size with cells at one K only is left to the one line; none at all: the one line
+    one_k = {4096: {1: {0: 30.0}, 4: {0: 60.0, 5: 200.0}}}
+    assert sorted(fit_context_cost_by_batch(lambda bs, k: 20.0, one_k, REFERENCE)) == [4]
+    assert ContextCost(REFERENCE, U, V).coefficients(3) == (U, V)
+
+
+def test_k_by_batch_size_equals_the_best_k_of_the_true_costs_where_one_line_does_not():
+    """With the per-batch-size fit the policy's K at long contexts is the argmax of goodput over the
+    true step costs at every batch size the cells cover; the one line over all of them gets some
+    wrong."""
+    profile = profile_by_batch()
+    one_line = Profile(**{**profile.__dict__, "context_cost_by_batch": {}})
+    wrong = 0
+    for bs in (1, 2, 4, 8):
+        for context in (300, 2000, 4096, 8000):
+            best = max(range(6), key=lambda k: (1 + sum(ALPHA[:k])) / true_itl_by_batch(bs, k, context))
+            aware = GoodputK(profile, 5, hysteresis_steps=1, per_request=False)
+            assert aware.k_for_batch(bs, context) == best, (bs, context)
+            line = GoodputK(one_line, 5, hysteresis_steps=1, per_request=False)
+            wrong += line.k_for_batch(bs, context) != best
+    assert wrong
+
+
+def test_the_per_batch_context_cost_goes_through_a_file(tmp_path):
+    profile = profile_by_batch()
+    path = tmp_path / "profile.json"
+    save_profile(profile, path)
+    assert "context_cost_by_batch" not in path.read_text()  # fitted on load
+    loaded = load_profile(path)
+    assert sorted(loaded.context_cost_by_batch) == [1, 2, 4, 8]
+    save_profile(loaded, path)
+    assert '"context_cost_by_batch": {' in path.read_text()
+    assert load_profile(path).context_cost_by_batch == loaded.context_cost_by_batch
+    path.write_text(
+        path.read_text().replace('"context_cost_by_batch": {', '"context_cost_by_batch": {"64": [1.0],')
+    )
+    with pytest.raises(ValueError, match="context_cost_by_batch"):
         load_profile(path)
 
 
