@@ -73,18 +73,58 @@ inline std::vector<int64_t> block_starts(const int64_t* row_seq, int64_t rows) {
   return starts;
 }
 
+// The largest of s[0..len) (-inf for none); a maximum is exact in any order.
+inline float max_of(const float* s, int64_t len) {
+  int64_t j = 0;
+  float m = -INFINITY;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (; j + 16 <= len; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
+  m = _mm512_reduce_max_ps(vm);
+#elif defined(__AVX2__)
+  __m256 vm = _mm256_set1_ps(-INFINITY);
+  for (; j + 8 <= len; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vm);
+  for (float v : lanes) m = v > m ? v : m;
+#endif
+  for (; j < len; ++j) m = s[j] > m ? s[j] : m;
+  return m;
+}
+
+// sum[l] = the sum of s[j] over j = l (mod kLanes), j < len, in order of j: kLanes running sums,
+// whatever the vector width (the scalar loop it replaces added them one at a time through memory).
+inline void lane_sums(const float* s, int64_t len, float* sum) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= len; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(s + j));
+  _mm512_storeu_ps(sum, acc);
+#elif defined(__AVX2__)
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (; j + 16 <= len; j += 16) {
+    lo = _mm256_add_ps(lo, _mm256_loadu_ps(s + j));
+    hi = _mm256_add_ps(hi, _mm256_loadu_ps(s + j + 8));
+  }
+  _mm256_storeu_ps(sum, lo);
+  _mm256_storeu_ps(sum + 8, hi);
+#else
+  for (int l = 0; l < kLanes; ++l) sum[l] = 0.0f;
+#endif
+  for (; j < len; ++j) sum[j % kLanes] += s[j];
+}
+
 // Softmax of each query's scores over its own keys, in place; inv[x] = 1 / the sum of its weights.
 inline void softmax_rows(float* scores, int64_t stride, const int64_t* lens, int64_t group, int64_t nq,
                          float* inv) {
   for (int64_t x = 0; x < nq; ++x) {
     const int64_t len = lens[x / group];
     float* s = scores + x * stride;
-    float m = -INFINITY;
-    for (int64_t j = 0; j < len; ++j) m = s[j] > m ? s[j] : m;
+    const float m = max_of(s, len);
     for (int64_t j = 0; j < len; ++j) s[j] -= m;
     exp_nonpositive(s, len);
-    float sum[kLanes] = {0};
-    for (int64_t j = 0; j < len; ++j) sum[j % kLanes] += s[j];
+    float sum[kLanes];
+    lane_sums(s, len, sum);
     for (int w = kLanes / 2; w > 0; w /= 2)
       for (int l = 0; l < w; ++l) sum[l] += sum[l + w];
     inv[x] = 1.0f / sum[0];
