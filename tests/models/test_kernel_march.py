@@ -25,8 +25,9 @@ def _avx512() -> bool:
 
 @pytest.mark.skipif(kernel_error() is not None or not _avx512(), reason="the native build is the AVX2 half")
 def test_the_avx2_half_matches_the_reference_on_an_avx512_cpu() -> None:
+    """The quantized matmuls and the attention kernel, built for AVX2 only."""
     env = os.environ | {"DYNASPEC_KERNEL_MARCH": "x86-64-v3"}
-    selection = "(reference and vnni) or batch_invariant or off_the_amx"
+    selection = "(reference and vnni) or batch_invariant or off_the_amx or float64_reference or bitwise"
     result = subprocess.run(
         [
             sys.executable,
@@ -36,6 +37,7 @@ def test_the_avx2_half_matches_the_reference_on_an_avx512_cpu() -> None:
             "-p",
             "no:cacheprovider",
             "tests/models/test_qlinear.py",
+            "tests/models/test_attention_kernel.py",
             "-k",
             selection,
         ],
