@@ -246,7 +246,9 @@ def measure_itl(
         passes), then its revisits and close calls."""
         rounds, measured_steps = _rounds(settings, i), _measured_steps(settings, i)
         visits_at_most = (
-            (0 if times else rounds) * len(ks) + settings.revisits * len(ks) + 4 * settings.close_rounds
+            (rounds if times is None else 0) * len(ks)
+            + settings.revisits * len(ks)
+            + 4 * settings.close_rounds
         )
         steps = visits_at_most * (settings.warmup_steps + measured_steps)
         with _decoding(engine, prompts, bs, settings, steps):

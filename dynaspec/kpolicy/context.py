@@ -82,13 +82,8 @@ def fit_context_cost(
     """[u, v] from the long-context cells: each cell (C, bs, K) says ITL_C(bs, K) - ITL(bs, K) =
     bs (C - C0) / 1,000 (u + v K), with ITL(bs, K) read off the (smoothed) grid by ``itl(bs, k)``.
     Least squares with u, v >= 0; None when no cell lies beyond the grid's context."""
-    xs, ys = [], []
-    for _, k, x, y in _cells(itl, context_stats, reference):
-        xs.append((x, x * k))
-        ys.append(y)
-    if not xs:
-        return None
-    return fit_bounded(xs, ys, [0.0, 0.0], [float("inf"), float("inf")])
+    cells = [(k, x, y) for _, k, x, y in _cells(itl, context_stats, reference)]
+    return _fit_uv(cells) if cells else None
 
 
 def fit_context_cost_by_batch(
@@ -101,13 +96,14 @@ def fit_context_cost_by_batch(
     by_bs: dict[int, list[tuple[int, float, float]]] = {}
     for bs, k, x, y in _cells(itl, context_stats, reference):
         by_bs.setdefault(bs, []).append((k, x, y))
-    return {
-        bs: fit_bounded(
-            [(x, x * k) for k, x, _ in cells], [y for _, _, y in cells], [0.0, 0.0], [math.inf] * 2
-        )
-        for bs, cells in sorted(by_bs.items())
-        if len({k for k, _, _ in cells}) >= 2
-    }
+    return {bs: _fit_uv(cells) for bs, cells in sorted(by_bs.items()) if len({k for k, _, _ in cells}) >= 2}
+
+
+def _fit_uv(cells: list[tuple[int, float, float]]) -> list[float]:
+    """[u, v] >= 0 by least squares over cells (K, bs x (C - C0) / 1,000, extra ms): y = x (u + v K)."""
+    return fit_bounded(
+        [(x, x * k) for k, x, _ in cells], [y for _, _, y in cells], [0.0, 0.0], [math.inf] * 2
+    )
 
 
 def _cells(

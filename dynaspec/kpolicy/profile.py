@@ -169,23 +169,22 @@ def context_model(profile: Profile) -> ContextCost | None:
 def context_cost_of(profile: Profile) -> list[float] | None:
     """[u, v] fitted on the profile's long-context cells against its smoothed grid
     (``kpolicy.context``); None without a context axis."""
-    if profile.context_tokens is None or not profile.context_stats or not profile.batch_stats:
-        return None
-    grid = smooth_itl(profile.batch_stats)
-    return fit_context_cost(
-        lambda bs, k: interpolate_itl(grid, bs, k), profile.context_stats, profile.context_tokens
-    )
+    return _fit_context(profile, fit_context_cost)
 
 
 def context_cost_by_batch_of(profile: Profile) -> dict[int, list[float]] | None:
     """{bs: [u, v]} fitted on each batch size's long-context cells alone (``kpolicy.context``);
     None without a context axis."""
+    return _fit_context(profile, fit_context_cost_by_batch)
+
+
+def _fit_context(profile: Profile, fit: Callable) -> Any:
+    """``fit`` over the profile's long-context cells against its smoothed grid; None without a
+    context axis."""
     if profile.context_tokens is None or not profile.context_stats or not profile.batch_stats:
         return None
     grid = smooth_itl(profile.batch_stats)
-    return fit_context_cost_by_batch(
-        lambda bs, k: interpolate_itl(grid, bs, k), profile.context_stats, profile.context_tokens
-    )
+    return fit(lambda bs, k: interpolate_itl(grid, bs, k), profile.context_stats, profile.context_tokens)
 
 
 def checked_cost_model(profile: Profile, name: str) -> dict[str, list[float]] | None:
