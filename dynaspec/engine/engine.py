@@ -367,6 +367,7 @@ class Engine:
                 '"dynamic_config_path": "auto": this engine is not profiled yet; build it with '
                 "dynaspec.engine.build.build_engine(config), or call engine.profile_auto(auto_profile)"
             )
+        began = time.perf_counter()
         plan = self.scheduler.schedule(self._k_policy)  # who runs, tokens each, K for this step
         if self._synthetic is not None:  # acceptance that ignores the tokens ignores their confidence
             plan.min_draft_confidence = 0.0
@@ -386,8 +387,10 @@ class Engine:
         self.proposer.commit(plan, result)  # e.g. draft-model KV catch-up
         timing = StepTiming.of(plan, result, self._clock.ms(start, end), drafts.timed_passes())
         paid = self.proposer.pays_for_unfilled_positions()
+        outputs = self.scheduler.update(plan, result)  # append, finish, free KV
+        timing.step_ms = (time.perf_counter() - began) * 1000  # the whole step, as the profile's cells
         self._observe(StepRecord(plan, result, timing, result.draft_confidence, paid))
-        return self.scheduler.update(plan, result)  # append, finish, free KV
+        return outputs
 
     def _observe(self, record: StepRecord) -> None:
         c = self.counters

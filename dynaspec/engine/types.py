@@ -163,6 +163,9 @@ class StepTiming:
     draft_passes: list[DraftPass] = field(default_factory=list)
     decode_rows: int = 0  # decodes verified (requests, not tokens)
     context_tokens: int = 0  # their contexts' tokens together (what their attention reads)
+    # the whole engine step's wall time (schedule to update, as the profiler times its grid's
+    # cells; 0: not timed): what the goodput policy's live grid cells learn from
+    step_ms: float = 0.0
 
     @classmethod
     def of(

@@ -95,7 +95,11 @@ class StepCostModel:
         # longer contexts, not as a slower machine
         self.context = context
 
-    def observe(self, timing: StepTiming) -> None:
+    def observe(self, timing: StepTiming, wall_ms: float = 0.0) -> None:
+        """One step's passes against the model; with ``shared_scale`` (a model fitted on the grid's
+        whole steps) the step's wall time ``wall_ms`` where given, which holds the step's overhead
+        as the grid's cells do (the passes alone read a few percent under them, and the policy
+        then took every cell the live steps had not timed for that much cheaper)."""
         target_ms = _predict(self.target_coef, (1.0, timing.verify_tokens, timing.prefill_tokens))
         if self.context is not None and timing.decode_rows:
             rows = timing.decode_rows
@@ -107,6 +111,7 @@ class StepCostModel:
         if self.shared_scale:
             if all(_positive(ms) for ms in (timing.target_ms, *(ms for ms, _ in passes))):
                 observed = timing.target_ms + sum(ms for ms, _ in passes)
+                observed = wall_ms if _positive(wall_ms) and wall_ms >= observed else observed
                 self.target_scale.observe(observed, target_ms + sum(p for _, p in passes))
             return
         self.target_scale.observe(timing.target_ms, target_ms)
@@ -159,6 +164,71 @@ class StepCostModel:
                 "draft_passes": self.draft_scale.num_observations,
             },
         }
+
+
+CELL_PRIOR = 1.0  # pseudo-observations of ratio 1 behind a cell's live correction
+CELL_DECAY = 0.8  # per observation of that cell: a cell timed every step follows about 5 of them
+
+
+class CellCorrection:
+    """The profile's (smoothed) ITL grid, each cell corrected by what live steps of that cell took.
+
+    The live cost model (``StepCostModel``) moves every cell of the grid by one drift, so the
+    grid's cells keep their relative errors: a quick profile times a batch-1 cell in a few steps,
+    and on a shared CPU such a cell can be 10-15% off. On zen5 an auto profile put ITL(1, 1) at
+    35.0 ms where fixed K=1 steps in the next process took 30.6 (K=2's cell was right, 43.8
+    against 43.9), so a clear K=1 win (55.4 against 48.0 tok/s) looked like a tie and the policy
+    drafted K=2 (issue 37, the results diary). So a step that is one cell of the grid (``cell_of``:
+    exactly a profiled batch size decoding, nothing prefilled, every request drafting the same K,
+    its drafter caught up) teaches that cell: the ratio of its wall time to the cell's figure at the
+    step's context times the live drift, a decayed geometric mean per cell starting from 1
+    (``LiveScale`` with CELL_PRIOR and CELL_DECAY), and the policy reads the grid times those ratios
+    (``grid``). A cell the policy does not choose is seen only when it explores it
+    (``GoodputK``: a neighbouring K close in goodput, now and then)."""
+
+    def __init__(self, grid: dict[int, dict[int, float]]) -> None:
+        self.base = grid
+        self.grid = {bs: dict(row) for bs, row in grid.items()}
+        self.ratios: dict[tuple[int, int], LiveScale] = {}
+        self.steps = 0  # steps observed, cells or not
+        self.last_seen: dict[tuple[int, int], int] = {}  # cell -> the step that last timed or tried it
+
+    def cell_of(self, timing: StepTiming, lens: Sequence[int]) -> tuple[int, int] | None:
+        """(bs, K) when the step was one cell of the grid, else None."""
+        bs = timing.decode_rows
+        whole = _positive(timing.step_ms) and not timing.prefill_tokens
+        if not (whole and bs in self.base and len(lens) == bs):
+            return None
+        k = lens[0]
+        if any(n != k for n in lens) or k not in self.base[bs]:
+            return None
+        passes = timing.draft_passes
+        if passes and (len(passes) != k or any(rows != bs or extra for rows, extra, _ in passes)):
+            return None
+        return bs, k
+
+    def observe(self, cell: tuple[int, int], observed_ms: float, predicted_ms: float) -> None:
+        """One step of ``cell``: ``predicted_ms`` is the uncorrected cell at the step's context, with
+        the live drift."""
+        ratio = self.ratios.setdefault(cell, LiveScale(CELL_PRIOR, CELL_DECAY))
+        ratio.observe(observed_ms, predicted_ms)
+        bs, k = cell
+        self.grid[bs][k] = self.base[bs][k] * ratio.value
+        self.last_seen[cell] = self.steps
+
+    def due(self, cell: tuple[int, int], every: int) -> bool:
+        """Whether ``cell`` has gone ``every`` steps without being timed or tried."""
+        return self.steps - self.last_seen.get(cell, -every) >= every
+
+    def tried(self, cell: tuple[int, int]) -> None:
+        self.last_seen[cell] = self.steps
+
+    def snapshot(self) -> dict:
+        """bs -> K -> [live / profiled, steps seen] for every cell a step has taught."""
+        out: dict[str, dict[str, list]] = {}
+        for (bs, k), ratio in sorted(self.ratios.items()):
+            out.setdefault(str(bs), {})[str(k)] = [round(ratio.value, 4), ratio.num_observations]
+        return out
 
 
 def _positive(ms: object) -> bool:

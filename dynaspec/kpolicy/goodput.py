@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from dynaspec.engine.types import DraftCandidate, StepRecord
 from dynaspec.kpolicy.acceptance import AcceptanceEstimate, ConfidenceCalibration, RequestAcceptance
-from dynaspec.kpolicy.cost import StepCostModel, prior_from_grid
+from dynaspec.kpolicy.cost import CellCorrection, StepCostModel, prior_from_grid
 from dynaspec.kpolicy.hysteresis import Hysteresis, log_change
 from dynaspec.kpolicy.profile import (
     Profile,
@@ -44,6 +44,12 @@ REDECIDE_EVERY = 4
 # ... but only where the last choice took at least this share of the last step's time (a GPU):
 # on a CPU, whose steps take 30-300 ms, every step decides
 KEEP_ABOVE_SHARE = 0.01
+# exploring the grid's cells (``CellCorrection``): where every request drafts the same K at a
+# profiled batch size, a neighbouring K whose goodput is within EXPLORE_MARGIN of the best runs
+# one step once its cell has gone EXPLORE_EVERY steps untimed; at most 2 steps in EXPLORE_EVERY,
+# each at most EXPLORE_MARGIN worse by the estimate: under 1% of goodput when the estimate is right
+EXPLORE_MARGIN = 0.08
+EXPLORE_EVERY = 24
 
 
 def peak_counts(bs: int, k: int, runs: list[int]) -> list[int]:
@@ -191,6 +197,7 @@ class GoodputK:
         explore_below: float = 4.0,
         source: str = "(given in memory)",
         redecide_every: int = REDECIDE_EVERY,
+        explore_every: int = EXPLORE_EVERY,
         **estimate_kwargs,
     ) -> None:
         self.profile = profile
@@ -233,11 +240,16 @@ class GoodputK:
         self.num_reused = 0  # steps that kept the last choice (``REDECIDE_EVERY``)
         self._kept: tuple[tuple, list[int], int] | None = None  # (load, drafts, steps kept)
         self._step_ms = 0.0  # the last step's passes (target and drafter)
+        # the grid's cells as live steps of each found them (``itl`` reads this grid)
+        self.cells = CellCorrection(self.itl_grid)
+        self.explore_every = explore_every  # 0: never run a step only to time a cell
+        self.num_explored = 0  # steps run at a neighbouring K to time its cell
+        self._choice_ms = 0.0  # the host time of the last choice (a step's time less it is a cell's)
 
     def itl(self, batch_size: int, k: int) -> float | None:
         """ITL(bs, K) in ms over the load's mean context (``self.context``): the profile's, moved
         along its context axis, times the live drift; the cost model's alone off the grid."""
-        base = interpolate_itl(self.itl_grid, batch_size, k)
+        base = interpolate_itl(self.cells.grid, batch_size, k)
         if base is None:
             model = self._at_context(self.costs.itl(batch_size, k), batch_size, k)
             return model if model > 0 else None
@@ -268,11 +280,14 @@ class GoodputK:
             drafts = [min(d, max(0, c.tokens_left - 1)) for d, c in zip(kept[1], candidates)]
             self._kept = (load, kept[1], kept[2] + 1)
             self.num_reused += 1
+            self._choice_ms = 0.0
             return max(drafts, default=0), drafts
-        probes, start = self.num_probes, time.perf_counter()
+        probes, explored, start = self.num_probes, self.num_explored, time.perf_counter()
         k, drafts = self._choose(candidates, explore=True)
-        worth = (time.perf_counter() - start) * 1000 >= KEEP_ABOVE_SHARE * self._step_ms
-        self._kept = (load, drafts, 1) if steady and worth and self.num_probes == probes else None
+        self._choice_ms = (time.perf_counter() - start) * 1000
+        worth = self._choice_ms >= KEEP_ABOVE_SHARE * self._step_ms
+        usual = self.num_probes == probes and self.num_explored == explored
+        self._kept = (load, drafts, 1) if steady and worth and usual else None
         return k, drafts
 
     def _choose(self, candidates: Sequence[DraftCandidate], explore: bool) -> tuple[int, list[int]]:
@@ -327,7 +342,41 @@ class GoodputK:
             if max(hopeful, key=hopeful.get)[0]:  # the probe: the request owing the drafter least
                 drafts[min((i for i in range(bs) if caps[i]), key=cost.__getitem__)], k = 1, 1
                 self.num_probes += 1
+        elif explore and self.explore_every:
+            neighbour = self._neighbour_to_time(candidates, drafts, caps, scores)
+            if neighbour is not None:
+                k, drafts = neighbour, [neighbour] * bs
         return k, drafts
+
+    def _neighbour_to_time(
+        self,
+        candidates: Sequence[DraftCandidate],
+        drafts: list[int],
+        caps: list[int],
+        scores: dict[tuple[int, int], float],
+    ) -> int | None:
+        """A K next to the step's to run instead, to time its cell of the grid (``CellCorrection``),
+        or None: where the step is one cell (a profiled batch size, every request decoding, caught
+        up and drafting the same K), the K one above or below it whose uniform goodput by the
+        estimate is within EXPLORE_MARGIN of the best, once its cell has gone EXPLORE_EVERY steps
+        untimed. A cell the policy never chose was otherwise never corrected: on zen5 one read 13%
+        high and hid a clear win (issue 37)."""
+        bs = len(candidates)
+        row = self.cells.base.get(bs)
+        if row is None or not scores or any(d != drafts[0] for d in drafts):
+            return None
+        if not all(c.decoding and c.unseen_tokens <= 1 and not c.free_rates for c in candidates):
+            return None
+        best = max(scores.values())
+        for k in (drafts[0] + 1, drafts[0] - 1):
+            score = scores.get((k, bs) if k else (0, 0))
+            if not 0 <= k <= min(caps) or k not in row or score is None:
+                continue
+            if score >= best * (1 - EXPLORE_MARGIN) and self.cells.due((bs, k), self.explore_every):
+                self.cells.tried((bs, k))
+                self.num_explored += 1
+                return k
+        return None
 
     def _take_matches(
         self,
@@ -475,9 +524,25 @@ class GoodputK:
             self.requests.observe(ids, lens, accepted)
             if confidence is not None:
                 self.calibration.observe(confidence, draft_lens, accepted)
-        self.costs.observe(record.timing)
         timing = record.timing
+        self._observe_cell(record)
+        self.costs.observe(timing, timing.step_ms - self._choice_ms)
         self._step_ms = timing.target_ms + sum(p[2] for p in timing.draft_passes)  # DraftPass.ms
+
+    def _observe_cell(self, record: StepRecord) -> None:
+        """A step that was one cell of the grid teaches that cell (``CellCorrection``): its wall time
+        less the policy's own choice, against the cell at the step's context with the live drift
+        (read before this step moves the drift)."""
+        cells, timing = self.cells, record.timing
+        cells.steps += 1
+        cell = None if any(record.plan.free_rows) else cells.cell_of(timing, record.result.draft_lens)
+        if cell is None:
+            return
+        bs, k = cell
+        predicted = cells.base[bs][k]
+        if self.context_cost is not None and timing.context_tokens:
+            predicted = self.context_cost.itl(predicted, bs, timing.context_tokens / bs, k)
+        cells.observe(cell, timing.step_ms - self._choice_ms, predicted * self.costs.drift(bs, k))
 
     def snapshot(self) -> dict:
         return {
@@ -489,6 +554,8 @@ class GoodputK:
             "requests_withheld": self.num_withheld,
             "probes": self.num_probes,
             "choices_kept": self.num_reused,
+            "explored": self.num_explored,
+            "live_cells": self.cells.snapshot(),
             "min_draft_confidence": round(self.min_draft_confidence(), 3),
             "acceptance_by_confidence": self.calibration.snapshot(),
             "match_acceptance_by_frequency": self.match_calibration.snapshot(),

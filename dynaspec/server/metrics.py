@@ -137,6 +137,21 @@ class _EngineCollector:
             for i, a in enumerate(policy.get("acceptance_rate_per_pos", [])):
                 alpha.add_metric([str(i)], a)
             yield alpha
+            cells = GaugeMetricFamily(
+                "dynaspec:spec_decode_live_cell_ratio",
+                "Live / profiled time of each grid cell (batch size, K) that live steps have timed",
+                labels=["batch_size", "k"],
+            )
+            for bs, row in policy.get("live_cells", {}).items():
+                for k, (ratio, _) in row.items():
+                    cells.add_metric([bs, k], ratio)
+            yield cells
+            explored = CounterMetricFamily(
+                "dynaspec:spec_decode_explored_steps",
+                "Steps run at a K next to the chosen one to time its grid cell",
+            )
+            explored.add_metric([], policy.get("explored", 0))
+            yield explored
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -170,7 +170,9 @@ def goodput(catchup_ms_per_token=5.0, hysteresis=1, per_request=False, explore_b
     Exploration is off unless asked for: these tests price the rule itself."""
     cost_model = {"target_ms": TARGET, "draft_pass_ms": [DRAFT[0], DRAFT[1], catchup_ms_per_token]}
     profile = Profile(4, alpha, GRID, cost_model=cost_model)
-    return GoodputK(profile, 4, hysteresis, per_request=per_request, explore_below=explore_below)
+    return GoodputK(
+        profile, 4, hysteresis, per_request=per_request, explore_below=explore_below, explore_every=0
+    )
 
 
 def test_caught_up_batch_gets_the_plain_goodput_k():

@@ -167,3 +167,6 @@ def test_goodput_policy_state_in_metrics(tmp_path, target_dir):
     assert m['dynaspec:spec_decode_k{"batch_size": "1"}'] == 0
     assert m["dynaspec:spec_decode_num_draft_tokens_total"] == 0  # the drafter never ran
     assert m['dynaspec:spec_decode_acceptance_estimate{"position": "0"}'] == pytest.approx(0.9)
+    # plain steps of one request taught the grid's (1, 0) cell; no K next to it was close enough to try
+    assert m['dynaspec:spec_decode_live_cell_ratio{"batch_size": "1", "k": "0"}'] > 0
+    assert m["dynaspec:spec_decode_explored_steps_total"] == 0

@@ -74,6 +74,8 @@ def test_k0_runs_no_drafter(target_dir, draft_dir, plain):
     with engine.recording() as run:
         assert run_staggered(engine, PROMPTS, arrive_every=2) == plain
     assert run.timings and all(t.draft_passes == [] for t in run.timings)  # the drafter never ran
+    # each step timed whole (the goodput policy's live grid cells learn from it), passes inside it
+    assert all(t.step_ms >= t.target_ms > 0 for t in run.timings)
     assert engine.stats()["spec"]["num_draft_tokens"] == 0
 
 
@@ -216,6 +218,9 @@ def test_per_request_goodput_with_auto_confidence_equals_plain(
     snapshot = engine.stats()["spec"]["policy"]
     assert snapshot["per_request"] and engine.stats()["spec"]["num_draft_tokens"] > 0
     assert 0.0 <= snapshot["min_draft_confidence"] <= 0.8
+    # the steps that were one cell of the grid taught it (issue 37): real steps, whole
+    cells = snapshot["live_cells"]
+    assert cells and all(int(bs) in stats and n >= 1 for bs, row in cells.items() for _, n in row.values())
 
 
 def test_a_windowed_drafter_is_lossless_when_it_skips_what_it_missed(target_dir, draft_dir, plain):
