@@ -13,6 +13,8 @@
 # use); the zen3 sweeps of the record ran the same with the profile's file (about 40 minutes a dataset).
 #   bash benchmarks/auto_sweep.sh pair|ngram humaneval|mtbench|longedit [result-stem]
 #        (default stem bench-results/auto_sweep_<drafter>_<dataset>)
+# Environment: EXTRA_CONFIGS=cells-off adds configurations (cells-off: per-request without live grid
+# cells); ROUNDS (default 2) and PROMPTS_PER_C (default 2; at least 4 prompts a concurrency) size it.
 # Writes <stem>.json and <stem>.png; the profile's cached file is named in the JSON ("profile").
 set -euo pipefail
 case "${1:-}" in -h | --help) sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0" && exit 0 ;; esac
@@ -24,7 +26,7 @@ pair) spec='{"method":"draft_model","model":"qwen2.5-coder-0.5b-instruct","num_s
 ngram) spec='{"method":"ngram","num_speculative_tokens":5}' ;;
 *) echo "drafter: pair or ngram, not $drafter" >&2 && exit 2 ;;
 esac
-configs=none,K=1,K=2,K=3,K=4,K=5,per-request
+configs=none,K=1,K=2,K=3,K=4,K=5,per-request${EXTRA_CONFIGS:+,$EXTRA_CONFIGS}
 extra=()
 case "$dataset" in
 humaneval | mtbench) ;;
@@ -39,6 +41,6 @@ longedit)
 esac
 stem=${3:-bench-results/auto_sweep_${drafter}_$dataset}
 .venv/bin/dynaspec bench sweep --model qwen2.5-coder-1.5b-instruct --speculative-config "$spec" --profile auto \
-    --dataset "$dataset" --concurrency 1,2,4,8 --prompts-per-concurrency 2 --min-prompts 4 --fixed-ks 1,2,3,4,5 \
-    --configs "$configs" --max-tokens 128 --rounds 2 ${extra[@]+"${extra[@]}"} \
+    --dataset "$dataset" --concurrency 1,2,4,8 --prompts-per-concurrency "${PROMPTS_PER_C:-2}" --min-prompts 4 \
+    --fixed-ks 1,2,3,4,5 --configs "$configs" --max-tokens 128 --rounds "${ROUNDS:-2}" ${extra[@]+"${extra[@]}"} \
     --result-file "$stem.json" --plot "$stem.png"

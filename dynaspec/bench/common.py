@@ -111,16 +111,18 @@ def _cell(v: Any) -> str:
 
 
 # policies that choose K themselves (not a fixed K); "ctx-blind" is per-request on the profile
-# without its context axis (only where the profile has one)
-DYNAMIC_CONFIGS = ("goodput", "per-request", "ctx-blind")
+# without its context axis (only where the profile has one), "cells-off" per-request without live
+# grid cells (``CellCorrection``: the grid moved by the live drift alone)
+DYNAMIC_CONFIGS = ("goodput", "per-request", "ctx-blind", "cells-off")
 
 
 def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: int) -> dict[str, Any]:
     """The K policies benchmarks compare, by name, as factories (each run gets a fresh policy):
     ``K=<k>`` fixed; with a profile, ``table`` (its per-batch-size table), ``goodput`` (one K for
     the load, who drafts: the batch-level rule) and ``per-request`` (a K per request and confidence
-    stops tuned online: the engine's default with a profile), and with a profile that has a context
-    axis, ``ctx-blind`` (per-request without it)."""
+    stops tuned online: the engine's default with a profile), ``cells-off`` (per-request without
+    live grid cells), and with a profile that has a context axis, ``ctx-blind`` (per-request
+    without it)."""
     from dynaspec.kpolicy.goodput import GoodputK
     from dynaspec.kpolicy.policy import FixedK, TableK
 
@@ -132,6 +134,9 @@ def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: i
             profile, max_k, hysteresis_steps, per_request=False, min_confidence=0.0
         )
         policies["per-request"] = lambda: GoodputK(profile, max_k, hysteresis_steps, per_request=True)
+        policies["cells-off"] = lambda: GoodputK(
+            profile, max_k, hysteresis_steps, per_request=True, live_cells=False
+        )
         if profile.context_tokens is not None and profile.context_stats:
             blind = without_context_axis(profile)
             policies["ctx-blind"] = lambda: GoodputK(blind, max_k, hysteresis_steps, per_request=True)

@@ -56,8 +56,9 @@ def add_parser(sub) -> None:
         "--configs",
         default=None,
         help="run only these configurations, comma-separated "
-        "(none, K=<k> from --fixed-ks, table, goodput, per-request, and ctx-blind with a profile that has a "
-        "context axis: per-request without it); default all",
+        "(none, K=<k> from --fixed-ks, table, goodput, per-request, cells-off: per-request without live "
+        "grid cells, and ctx-blind with a profile that has a context axis: per-request without it); "
+        "default all but cells-off",
     )
     p.add_argument(
         "--max-tokens", type=int, default=48, help="output cap per request (keeps the sweep short)"
@@ -204,7 +205,10 @@ def run(args: argparse.Namespace) -> int:
     table = profile.num_speculative_tokens_per_batch_size
     policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
     configs = ["none", *policies]
-    if args.configs is not None:
+    opt_in = ["cells-off"]  # an A/B of the engine's own policy: asked for by name only
+    if args.configs is None:
+        configs = [c for c in configs if c not in opt_in]
+    else:
         wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
         unknown = [c for c in wanted if c not in configs]
         if unknown or len(wanted) < 2:

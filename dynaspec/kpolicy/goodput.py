@@ -198,6 +198,7 @@ class GoodputK:
         source: str = "(given in memory)",
         redecide_every: int = REDECIDE_EVERY,
         explore_every: int = EXPLORE_EVERY,
+        live_cells: bool = True,
         **estimate_kwargs,
     ) -> None:
         self.profile = profile
@@ -242,7 +243,8 @@ class GoodputK:
         self._step_ms = 0.0  # the last step's passes (target and drafter)
         # the grid's cells as live steps of each found them (``itl`` reads this grid)
         self.cells = CellCorrection(self.itl_grid)
-        self.explore_every = explore_every  # 0: never run a step only to time a cell
+        self.live_cells = live_cells  # False: the grid moves by the live drift alone, as before
+        self.explore_every = explore_every if live_cells else 0  # 0: never run a step only to time a cell
         self.num_explored = 0  # steps run at a neighbouring K to time its cell
         self._choice_ms = 0.0  # the host time of the last choice (a step's time less it is a cell's)
 
@@ -535,7 +537,11 @@ class GoodputK:
         (read before this step moves the drift)."""
         cells, timing = self.cells, record.timing
         cells.steps += 1
-        cell = None if any(record.plan.free_rows) else cells.cell_of(timing, record.result.draft_lens)
+        cell = (
+            None
+            if any(record.plan.free_rows) or not self.live_cells
+            else cells.cell_of(timing, record.result.draft_lens)
+        )
         if cell is None:
             return
         bs, k = cell

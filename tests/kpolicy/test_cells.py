@@ -78,6 +78,10 @@ def test_a_cell_read_high_is_timed_by_exploring_it_and_k_moves_to_the_true_best(
     blind_ks, blind_rate, _ = simulate(HIGH, explore_every=0)
     assert blind_ks[-100:].count(2) >= 95
     assert rate > 1.05 * blind_rate
+    # ``cells-off`` in the benchmarks: nothing learnt per cell, nothing explored
+    off_ks, off_rate, off = simulate(HIGH, live_cells=False)
+    assert off_ks[-100:].count(2) >= 95 and rate > 1.05 * off_rate
+    assert off.snapshot()["live_cells"] == {} and off.num_explored == 0
 
 
 def test_a_cell_read_low_is_corrected_by_its_own_steps():
