@@ -141,9 +141,11 @@ class StepCostModel:
             return 1.0
         return min(MAX_DRIFT, max(1.0 / MAX_DRIFT, now / before))
 
-    def draft_pass_ms(self, rows: int) -> float:
-        """One drafter pass over ``rows`` caught-up requests, now (0 for a proposer with no drafter)."""
-        return _predict(self.draft_coef, (1.0, rows, 0.0)) * self.scales()[1] if rows else 0.0
+    def draft_pass_ms(self, rows: int, prior: bool = False) -> float:
+        """One drafter pass over ``rows`` caught-up requests, now (``prior``: as profiled; 0 for a
+        proposer with no drafter)."""
+        scale = 1.0 if prior else self.scales()[1]
+        return _predict(self.draft_coef, (1.0, rows, 0.0)) * scale if rows else 0.0
 
     def verify_ms_per_token(self) -> float:
         """What one more verified token adds to a target pass, now."""
@@ -166,29 +168,44 @@ class StepCostModel:
         }
 
 
-CELL_PRIOR = 1.0  # pseudo-observations of ratio 1 behind a cell's live correction
+CELL_PRIOR = (
+    0.5  # pseudo-observations of ratio 1 behind a cell's live correction (one step: 71% of its ratio)
+)
 CELL_DECAY = 0.8  # per observation of that cell: a cell timed every step follows about 5 of them
 
 
 class CellCorrection:
-    """The profile's (smoothed) ITL grid, each cell corrected by what live steps of that cell took.
+    """The profile's (smoothed) ITL grid as live steps find it: one drift for the whole grid, and
+    each cell's own correction on top.
 
-    The live cost model (``StepCostModel``) moves every cell of the grid by one drift, so the
-    grid's cells keep their relative errors: a quick profile times a batch-1 cell in a few steps,
-    and on a shared CPU such a cell can be 10-15% off. On zen5 an auto profile put ITL(1, 1) at
-    35.0 ms where fixed K=1 steps in the next process took 30.6 (K=2's cell was right, 43.8
-    against 43.9), so a clear K=1 win (55.4 against 48.0 tok/s) looked like a tie and the policy
-    drafted K=2 (issue 37, the results diary). So a step that is one cell of the grid (``cell_of``:
-    exactly a profiled batch size decoding, nothing prefilled, every request drafting the same K,
-    its drafter caught up) teaches that cell: the ratio of its wall time to the cell's figure at the
-    step's context times the live drift, a decayed geometric mean per cell starting from 1
-    (``LiveScale`` with CELL_PRIOR and CELL_DECAY), and the policy reads the grid times those ratios
-    (``grid``). A cell the policy does not choose is seen only when it explores it
-    (``GoodputK``: a neighbouring K close in goodput, now and then)."""
+    The drift (``scale``) is the wall time of whole decode steps (nothing prefilled, the drafter
+    caught up) against the grid read at the step's rows, drafts and context: the grid's own
+    measure. The cost model's live scales (``StepCostModel``) are no such measure of the grid:
+    they compare passes with a linear model fitted over every batch size, which can miss one
+    operating point by a third. On zen5 the pair's model put a one-row target pass at 14.6 ms
+    where it took 19-25, so its drift read the grid 1.3-1.44x slow while the steps took what the
+    grid said, and less so the more a step drafted (the drafter's model fitted better), which
+    tilted the choice towards deeper drafts (issue 37, the results diary).
+
+    One drift moves every cell alike, so the grid's cells keep their relative errors: a quick
+    profile times a batch-1 cell in a few steps, and on a shared CPU such a cell can be 10-15%
+    off. On zen5 an auto profile put ITL(1, 1) at 35.0 ms where fixed K=1 steps in the next
+    process took 30.6 (K=2's cell was right, 43.8 against 43.9), so a clear K=1 win (55.4
+    against 48.0 tok/s) looked like a tie and the policy drafted K=2. So a step that is one cell
+    of the grid (``cell_of``: exactly a profiled batch size decoding, nothing prefilled, every
+    request drafting the same K, its drafter caught up) also teaches that cell: the ratio of its
+    wall time to the cell's figure at the step's context times the drift, a decayed geometric
+    mean per cell starting from 1 (``LiveScale`` with CELL_PRIOR and CELL_DECAY), and the policy
+    reads the grid times those ratios (``grid``) times the drift. A cell the policy does not
+    choose is seen only when it explores it (``GoodputK``: a neighbouring K close in goodput,
+    now and then)."""
 
     def __init__(self, grid: dict[int, dict[int, float]]) -> None:
         self.base = grid
         self.grid = {bs: dict(row) for bs, row in grid.items()}
+        # whole steps' wall time / the grid's: a whole step is a fair measure, so its prior fades
+        # within a few steps (8 steps: 80% live)
+        self.scale = LiveScale(prior_weight=2.0)
         self.ratios: dict[tuple[int, int], LiveScale] = {}
         self.steps = 0  # steps observed, cells or not
         self.last_seen: dict[tuple[int, int], int] = {}  # cell -> the step that last timed or tried it
@@ -207,9 +224,17 @@ class CellCorrection:
             return None
         return bs, k
 
+    def drift(self) -> float | None:
+        """Live / profiled time of a whole step (None until a step has been timed)."""
+        return self.scale.value if self.scale.weight >= 1.0 else None
+
+    def observe_step(self, observed_ms: float, predicted_ms: float) -> None:
+        """A whole decode step against the (uncorrected) grid's figure for it."""
+        self.scale.observe(observed_ms, predicted_ms)
+
     def observe(self, cell: tuple[int, int], observed_ms: float, predicted_ms: float) -> None:
-        """One step of ``cell``: ``predicted_ms`` is the uncorrected cell at the step's context, with
-        the live drift."""
+        """One step of ``cell``: ``predicted_ms`` is the uncorrected cell at the step's context,
+        times the drift."""
         ratio = self.ratios.setdefault(cell, LiveScale(CELL_PRIOR, CELL_DECAY))
         ratio.observe(observed_ms, predicted_ms)
         bs, k = cell

@@ -50,6 +50,9 @@ KEEP_ABOVE_SHARE = 0.01
 # each at most EXPLORE_MARGIN worse by the estimate: under 1% of goodput when the estimate is right
 EXPLORE_MARGIN = 0.08
 EXPLORE_EVERY = 24
+# ... once the grid's drift rests on this many whole steps (decayed): a cell is corrected relative
+# to the drift, so one timed against a drift still settling would keep the difference
+EXPLORE_AFTER = 8.0
 
 
 def peak_counts(bs: int, k: int, runs: list[int]) -> list[int]:
@@ -255,7 +258,8 @@ class GoodputK:
         if base is None:
             model = self._at_context(self.costs.itl(batch_size, k), batch_size, k)
             return model if model > 0 else None
-        return self._at_context(base, batch_size, k) * self.costs.drift(batch_size, k)
+        drift = self.cells.drift() if self.live_cells else None
+        return self._at_context(base, batch_size, k) * (drift or self.costs.drift(batch_size, k))
 
     def _at_context(self, ms: float, batch_size: int, k: int) -> float:
         if self.context_cost is None or ms <= 0:
@@ -361,11 +365,14 @@ class GoodputK:
         or None: where the step is one cell (a profiled batch size, every request decoding, caught
         up and drafting the same K), the K one above or below it whose uniform goodput by the
         estimate is within EXPLORE_MARGIN of the best, once its cell has gone EXPLORE_EVERY steps
-        untimed. A cell the policy never chose was otherwise never corrected: on zen5 one read 13%
-        high and hid a clear win (issue 37)."""
+        untimed, and once the grid's drift rests on EXPLORE_AFTER steps. A cell the policy never
+        chose was otherwise never corrected: on zen5 one read 13% high and hid a clear win (issue
+        37)."""
         bs = len(candidates)
         row = self.cells.base.get(bs)
         if row is None or not scores or any(d != drafts[0] for d in drafts):
+            return None
+        if self.cells.scale.weight < EXPLORE_AFTER:
             return None
         if not all(c.decoding and c.unseen_tokens <= 1 and not c.free_rates for c in candidates):
             return None
@@ -532,23 +539,33 @@ class GoodputK:
         self._step_ms = timing.target_ms + sum(p[2] for p in timing.draft_passes)  # DraftPass.ms
 
     def _observe_cell(self, record: StepRecord) -> None:
-        """A step that was one cell of the grid teaches that cell (``CellCorrection``): its wall time
-        less the policy's own choice, against the cell at the step's context with the live drift
-        (read before this step moves the drift)."""
+        """A whole decode step (nothing prefilled, the drafter caught up, no free matches) moves the
+        grid's drift, and one that was one cell of the grid teaches that cell (``CellCorrection``):
+        its wall time less the policy's own choice, against the grid read at the step's rows, mean
+        drafts and context, plus drafter passes beyond those drafts (a confidence stop's, or a
+        ragged K's) at the profile's price; a cell against its figure times the drift as it was
+        before this step."""
         cells, timing = self.cells, record.timing
         cells.steps += 1
-        cell = (
-            None
-            if any(record.plan.free_rows) or not self.live_cells
-            else cells.cell_of(timing, record.result.draft_lens)
-        )
-        if cell is None:
+        rows = timing.decode_rows
+        whole = timing.step_ms > 0 and not timing.prefill_tokens and not any(record.plan.free_rows)
+        if not (self.live_cells and whole and rows) or any(e for _, e, _ in timing.draft_passes):
             return
-        bs, k = cell
-        predicted = cells.base[bs][k]
-        if self.context_cost is not None and timing.context_tokens:
-            predicted = self.context_cost.itl(predicted, bs, timing.context_tokens / bs, k)
-        cells.observe(cell, timing.step_ms - self._choice_ms, predicted * self.costs.drift(bs, k))
+        k = (timing.verify_tokens - rows) / rows
+        lo = min(int(k), self.max_k)
+        low, high = interpolate_itl(cells.base, rows, lo), interpolate_itl(cells.base, rows, lo + 1)
+        if low is None or (k > lo and high is None):
+            return
+        predicted = low + ((high - low) * (k - lo) if k > lo and high is not None else 0.0)
+        context = timing.context_tokens / rows if timing.context_tokens else None
+        if self.context_cost is not None:
+            predicted = self.context_cost.itl(predicted, rows, context, k)
+        predicted += max(0.0, len(timing.draft_passes) - k) * self.costs.draft_pass_ms(rows, prior=True)
+        wall = timing.step_ms - self._choice_ms
+        cell = cells.cell_of(timing, record.result.draft_lens)
+        if cell is not None:
+            cells.observe(cell, wall, predicted * cells.scale.value)
+        cells.observe_step(wall, predicted)
 
     def snapshot(self) -> dict:
         return {
@@ -562,6 +579,7 @@ class GoodputK:
             "choices_kept": self.num_reused,
             "explored": self.num_explored,
             "live_cells": self.cells.snapshot(),
+            "grid_drift": None if self.cells.drift() is None else round(self.cells.drift(), 4),
             "min_draft_confidence": round(self.min_draft_confidence(), 3),
             "acceptance_by_confidence": self.calibration.snapshot(),
             "match_acceptance_by_frequency": self.match_calibration.snapshot(),

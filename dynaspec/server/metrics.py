@@ -146,6 +146,12 @@ class _EngineCollector:
                 for k, (ratio, _) in row.items():
                     cells.add_metric([bs, k], ratio)
             yield cells
+            if policy.get("grid_drift") is not None:
+                yield _gauge(
+                    "dynaspec:spec_decode_grid_drift",
+                    "Live / profiled wall time of whole decode steps against the profile's grid",
+                    policy["grid_drift"],
+                )
             explored = CounterMetricFamily(
                 "dynaspec:spec_decode_explored_steps",
                 "Steps run at a K next to the chosen one to time its grid cell",

@@ -170,3 +170,4 @@ def test_goodput_policy_state_in_metrics(tmp_path, target_dir):
     # plain steps of one request taught the grid's (1, 0) cell; no K next to it was close enough to try
     assert m['dynaspec:spec_decode_live_cell_ratio{"batch_size": "1", "k": "0"}'] > 0
     assert m["dynaspec:spec_decode_explored_steps_total"] == 0
+    assert m["dynaspec:spec_decode_grid_drift"] > 0
