@@ -14,7 +14,8 @@
 #   bash benchmarks/auto_sweep.sh pair|ngram humaneval|mtbench|longedit [result-stem]
 #        (default stem bench-results/auto_sweep_<drafter>_<dataset>)
 # Environment: EXTRA_CONFIGS=cells-off adds configurations (cells-off: per-request without live grid
-# cells); ROUNDS (default 2) and PROMPTS_PER_C (default 2; at least 4 prompts a concurrency) size it.
+# cells); ROUNDS (default 2) and PROMPTS_PER_C (default 2; at least 4 prompts a concurrency) size it;
+# WARM_POLICIES=1 keeps one K policy per configuration for the whole sweep (`--warm-policies`).
 # Writes <stem>.json and <stem>.png; the profile's cached file is named in the JSON ("profile").
 set -euo pipefail
 case "${1:-}" in -h | --help) sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0" && exit 0 ;; esac
@@ -42,5 +43,6 @@ esac
 stem=${3:-bench-results/auto_sweep_${drafter}_$dataset}
 .venv/bin/dynaspec bench sweep --model qwen2.5-coder-1.5b-instruct --speculative-config "$spec" --profile auto \
     --dataset "$dataset" --concurrency 1,2,4,8 --prompts-per-concurrency "${PROMPTS_PER_C:-2}" --min-prompts 4 \
-    --fixed-ks 1,2,3,4,5 --configs "$configs" --max-tokens 128 --rounds "${ROUNDS:-2}" ${extra[@]+"${extra[@]}"} \
+    --fixed-ks 1,2,3,4,5 --configs "$configs" --max-tokens 128 --rounds "${ROUNDS:-2}" \
+    ${WARM_POLICIES:+--warm-policies} ${extra[@]+"${extra[@]}"} \
     --result-file "$stem.json" --plot "$stem.png"

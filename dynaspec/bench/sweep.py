@@ -91,6 +91,12 @@ def add_parser(sub) -> None:
         "every concurrency then runs the first of the same prompts; needs prefix caching, so not with a "
         "draft model or EAGLE head",
     )
+    p.add_argument(
+        "--warm-policies",
+        action="store_true",
+        help="one K policy per configuration for the whole sweep, as a server keeps its own, where by "
+        "default every run starts a fresh one (its acceptance and step costs learnt from nothing)",
+    )
     p.set_defaults(func=run)
 
 
@@ -234,6 +240,9 @@ def run(args: argparse.Namespace) -> int:
         for name, engine in engines.items():
             warm_prompts(engine, warm, name)
 
+    if args.warm_policies:  # each configuration's one policy, carried from run to run
+        kept = {name: make() for name, make in policies.items()}
+        policies = {name: (lambda p=p: p) for name, p in kept.items()}
     pooled: dict[tuple[int, str], RunResult] = {}
     cursor = 0
     with tqdm(total=len(concurrencies) * len(configs) * args.rounds, desc="sweep", unit="run") as bar:
@@ -263,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
     report["profile_table"] = table
     report["profile"] = path
     report["warm_prompts"] = args.warm_prompts
+    report["warm_policies"] = args.warm_policies
     report["prefix_cache"] = {name: engine.stats()["prefix_cache"] for name, engine in engines.items()}
     print(format_report(report))
     if args.result_file:
@@ -317,7 +327,7 @@ def _run_config(
 ) -> RunResult:
     engine = engines["none" if name == "none" else "spec"]
     if name != "none":
-        engine.set_k_policy(policies[name]())  # fresh: no acceptance or cost history carried over
+        engine.set_k_policy(policies[name]())  # fresh (unless --warm-policies): no history carried over
         engine.proposer.reset()  # nor a proposer's memory of earlier outputs (a suffix cache)
     if cold:
         engine.reset_prefix_cache()  # nor another run's prompt blocks

@@ -218,3 +218,25 @@ def test_warm_prompts_time_runs_on_cached_prompts_and_need_prefix_caching(tmp_pa
     assert (
         "enable_prefix_caching: not with speculative_config.method 'draft_model'" in capsys.readouterr().err
     )
+
+
+def test_warm_policies_carry_one_policy_per_config_from_run_to_run(tmp_path, target_dir):
+    """By default every run starts a fresh K policy; with --warm-policies each configuration keeps
+    one, as a server keeps its own: the last run's policy has seen every earlier run's steps."""
+    profile, prompts = k1_profile_and_prompts(tmp_path, "def f(x):\nclass A:\n")
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 1}
+    common = ["bench", "sweep", "--model", str(target_dir), "--dtype", "float32"]
+    common += ["--kv-cache-memory-gb", "0.02", "--speculative-config", json.dumps(spec)]
+    common += ["--profile", str(profile), "--dataset", str(prompts), "--concurrency", "1,2"]
+    common += ["--min-prompts", "2", "--prompts-per-concurrency", "1", "--fixed-ks", "1"]
+    common += ["--max-tokens", "6", "--rounds", "2", "--configs", "K=1,per-request"]
+    seen = {}
+    for warm in (False, True):
+        result = tmp_path / f"sweep_{warm}.json"
+        assert main(common + ["--result-file", str(result)] + (["--warm-policies"] if warm else [])) == 0
+        report = json.loads(result.read_text())
+        assert report["warm_policies"] is warm
+        row = next(r for r in report["rows"] if r["config"] == "per-request" and r["concurrency"] == 2)
+        seen[warm] = row["policy"]["cost_model"]["observations"]["target"]
+    # a fresh policy saw one run (one prompt of 6 tokens); the kept one all four runs
+    assert seen[False] <= 7 and seen[True] >= 3 * seen[False]
