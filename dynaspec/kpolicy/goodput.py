@@ -246,14 +246,16 @@ class GoodputK:
         self._step_ms = 0.0  # the last step's passes (target and drafter)
         # the grid's cells as live steps of each found them (``itl`` reads this grid)
         self.cells = CellCorrection(self.itl_grid)
-        self.live_cells = live_cells  # False: the grid moves by the live drift alone, as before
+        self.live_cells = live_cells  # False: the grid read through the cost model's drift alone
         self.explore_every = explore_every if live_cells else 0  # 0: never run a step only to time a cell
         self.num_explored = 0  # steps run at a neighbouring K to time its cell
         self._choice_ms = 0.0  # the host time of the last choice (a step's time less it is a cell's)
 
     def itl(self, batch_size: int, k: int) -> float | None:
-        """ITL(bs, K) in ms over the load's mean context (``self.context``): the profile's, moved
-        along its context axis, times the live drift; the cost model's alone off the grid."""
+        """ITL(bs, K) in ms over the load's mean context (``self.context``): the profile's grid with
+        its live cells' corrections, moved along its context axis, times the grid's drift (the cost
+        model's until a whole step has been timed, and always without live cells); the cost
+        model's alone off the grid."""
         base = interpolate_itl(self.cells.grid, batch_size, k)
         if base is None:
             model = self._at_context(self.costs.itl(batch_size, k), batch_size, k)
