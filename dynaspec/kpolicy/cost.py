@@ -210,17 +210,24 @@ class CellCorrection:
         self.steps = 0  # steps observed, cells or not
         self.last_seen: dict[tuple[int, int], int] = {}  # cell -> the step that last timed or tried it
 
+    @staticmethod
+    def whole(timing: StepTiming) -> bool:
+        """Whether the step was timed whole and only decoded, its drafter caught up: what the
+        grid's cells time."""
+        passes = timing.draft_passes
+        decoded = timing.decode_rows and not timing.prefill_tokens
+        return bool(_positive(timing.step_ms) and decoded and not any(extra for _, extra, _ in passes))
+
     def cell_of(self, timing: StepTiming, lens: Sequence[int]) -> tuple[int, int] | None:
         """(bs, K) when the step was one cell of the grid, else None."""
         bs = timing.decode_rows
-        whole = _positive(timing.step_ms) and not timing.prefill_tokens
-        if not (whole and bs in self.base and len(lens) == bs):
+        if not (self.whole(timing) and bs in self.base and len(lens) == bs):
             return None
         k = lens[0]
         if any(n != k for n in lens) or k not in self.base[bs]:
             return None
         passes = timing.draft_passes
-        if passes and (len(passes) != k or any(rows != bs or extra for rows, extra, _ in passes)):
+        if passes and (len(passes) != k or any(rows != bs for rows, _, _ in passes)):
             return None
         return bs, k
 

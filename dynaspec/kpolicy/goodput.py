@@ -549,16 +549,13 @@ class GoodputK:
         before this step."""
         cells, timing = self.cells, record.timing
         cells.steps += 1
+        if not (self.live_cells and cells.whole(timing)) or any(record.plan.free_rows):
+            return
         rows = timing.decode_rows
-        whole = timing.step_ms > 0 and not timing.prefill_tokens and not any(record.plan.free_rows)
-        if not (self.live_cells and whole and rows) or any(e for _, e, _ in timing.draft_passes):
-            return
         k = (timing.verify_tokens - rows) / rows
-        lo = min(int(k), self.max_k)
-        low, high = interpolate_itl(cells.base, rows, lo), interpolate_itl(cells.base, rows, lo + 1)
-        if low is None or (k > lo and high is None):
+        predicted = interpolate_itl(cells.base, rows, k)
+        if predicted is None:
             return
-        predicted = low + ((high - low) * (k - lo) if k > lo and high is not None else 0.0)
         context = timing.context_tokens / rows if timing.context_tokens else None
         if self.context_cost is not None:
             predicted = self.context_cost.itl(predicted, rows, context, k)

@@ -272,8 +272,9 @@ def _implausible_pairs(batch_stats: dict[int, dict[int, float]]) -> list[tuple[i
     return found
 
 
-def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k: int) -> float | None:
-    """ITL(bs, K) in ms, linear between profiled batch sizes; None if unknown.
+def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k: float) -> float | None:
+    """ITL(bs, K) in ms, linear between profiled batch sizes; None if unknown. A K between two
+    columns (a ragged step's mean drafts a request) is read linearly between them.
 
     Below the smallest profiled batch size it is that size's time. Above the largest it goes on
     along the last segment's slope (never downwards): a step of 32 requests costs more than one of
@@ -282,6 +283,13 @@ def interpolate_itl(batch_stats: dict[int, dict[int, float]], batch_size: int, k
     the plain column's (``extra_request_ms``). One profiled size alone is held. Zero or negative
     times are treated as unknown.
     """
+    lo = int(k)
+    if k > lo:
+        low, high = (
+            interpolate_itl(batch_stats, batch_size, lo),
+            interpolate_itl(batch_stats, batch_size, lo + 1),
+        )
+        return None if low is None or high is None else low + (high - low) * (k - lo)
     points = _column(batch_stats, k)
     if not points:
         return None
