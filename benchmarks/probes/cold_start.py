@@ -10,14 +10,13 @@ the results diary: a sweep gives every run a fresh policy).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
+from dynaspec.bench.common import k_policies, write_result
 from dynaspec.datasets import load_prompts
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.kpolicy.goodput import GoodputK
-from dynaspec.kpolicy.policy import FixedK
 from dynaspec.kpolicy.profile import load_profile
 from dynaspec.sampling_params import SamplingParams
 
@@ -37,10 +36,11 @@ def main() -> None:
     engine = Engine(EngineConfig(model="qwen2.5-coder-1.5b-instruct", speculative_config=SPEC))
     prompts = load_prompts(args.dataset)[args.first : args.first + args.prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    kept = GoodputK(profile, 5, 3, per_request=True)
+    makers = k_policies([1], profile, 5, 3)  # K=1 and per-request as the benchmarks make them
+    kept = makers["per-request"]()
     configs = {
-        "K=1": lambda: FixedK(1),
-        "fresh": lambda: GoodputK(profile, 5, 3, per_request=True),
+        "K=1": makers["K=1"],
+        "fresh": makers["per-request"],
         "fresh, prior 4": lambda: GoodputK(profile, 5, 3, per_request=True, prior_weight=4.0),
         "kept": lambda: kept,
     }
@@ -58,9 +58,7 @@ def main() -> None:
         ratio = statistics.fmean(x / y for x, y in zip(xs, rates["K=1"]))
         result["vs_k1"][name] = round(ratio, 4)
         print(f"{name:15s} {statistics.fmean(xs):6.2f} tok/s, {ratio:.3f}x K=1 (prompt by prompt)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":
