@@ -13,8 +13,8 @@
 # use); the zen3 sweeps of the record ran the same with the profile's file (about 40 minutes a dataset).
 #   bash benchmarks/auto_sweep.sh pair|ngram humaneval|mtbench|longedit [result-stem]
 #        (default stem bench-results/auto_sweep_<drafter>_<dataset>)
-# Environment: EXTRA_CONFIGS=cells-off adds configurations (cells-off: per-request without live grid
-# cells); ROUNDS (default 2) and PROMPTS_PER_C (default 2; at least 4 prompts a concurrency) size it;
+# Environment: EXTRA_CONFIGS=cells-off,stops-off adds configurations (cells-off: per-request without
+# live grid cells; stops-off: per-request without confidence stops); ROUNDS (default 2) and PROMPTS_PER_C (default 2; at least 4 prompts a concurrency) size it;
 # WARM_POLICIES=1 keeps one K policy per configuration for the whole sweep (`--warm-policies`).
 # Writes <stem>.json and <stem>.png; the profile's cached file is named in the JSON ("profile").
 set -euo pipefail

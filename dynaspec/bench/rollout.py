@@ -50,7 +50,8 @@ def add_parser(sub) -> None:
         default="table,goodput,per-request",
         help="with a profile, which of its policies run: table, goodput (one K for the load), "
         "per-request (a K per request: what an engine with a profile uses), ctx-blind (per-request "
-        "without the profile's context axis), cells-off (per-request without live grid cells)",
+        "without the profile's context axis), cells-off (per-request without live grid cells), "
+        "stops-off (per-request without confidence stops)",
     )
     p.add_argument("--dataset", default="mtbench")
     p.add_argument("--num-prompts", type=int, default=64)

@@ -18,7 +18,7 @@ from dynaspec.engine.sampler import (
 )
 from dynaspec.engine.types import Drafts
 from dynaspec.spec_decode.device_verify import verify_on_device
-from dynaspec.spec_decode.ngram import ngram_lookup
+from dynaspec.spec_decode.ngram import match_confidence, ngram_draft, ngram_lookup
 from dynaspec.spec_decode.rejection import rejection_sample
 
 V, K, N = 6, 2, 12000
@@ -209,6 +209,19 @@ def test_ngram_lookup_prefers_longest_latest_match():
     assert ngram_lookup(toks, 1, 3, 3) == [9, 2, 6]  # "6 7" last seen before 9
     assert ngram_lookup(np.array([1, 2, 3]), 1, 3, 2) == []
     assert ngram_lookup(np.array([4, 2, 4]), 1, 2, 5) == [2, 4]
+
+
+def test_ngram_confidence_follows_the_match_length_and_its_previous_occurrence():
+    toks = np.array([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
+    draft, confidence = ngram_draft(toks, 1, 3, 3)  # "6 7" before 9 2 6; the time before, before 8 1 6
+    base = match_confidence(2, 3, None)
+    assert draft == [9, 2, 6]
+    assert confidence == [match_confidence(2, 3, False)] * 2 + [match_confidence(2, 3, True)]
+    assert confidence[0] < base < confidence[2]
+    # a longer match is surer; one seen once has only its length
+    assert match_confidence(1, 3, None) < base < match_confidence(3, 3, None)
+    assert ngram_draft(np.array([1, 2, 3, 1, 2]), 1, 2, 4) == ([3, 1, 2], [match_confidence(2, 2, None)] * 3)
+    assert ngram_draft(np.array([1, 2, 3]), 1, 3, 2) == ([], [])
 
 
 @pytest.mark.parametrize("stop_on_token", [False, True])

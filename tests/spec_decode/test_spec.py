@@ -196,6 +196,9 @@ def test_ragged_per_request_k_with_confidence_stops_equals_plain(
     if method == "draft_model":  # a confidence stop cuts drafts short of their K; without one, none is
         asked = sum(map(sum, policy.k_caps))
         assert drafted < asked if min_confidence else drafted == asked
+    # every verified draft token has a confidence (the n-gram's: its match's), none below the stop
+    confidence = [c for step in policy.confidence if step for row in step for c in row]
+    assert drafted and len(confidence) == drafted and min(confidence) >= min_confidence
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
@@ -218,6 +221,8 @@ def test_per_request_goodput_with_auto_confidence_equals_plain(
     snapshot = engine.stats()["spec"]["policy"]
     assert snapshot["per_request"] and engine.stats()["spec"]["num_draft_tokens"] > 0
     assert 0.0 <= snapshot["min_draft_confidence"] <= 0.8
+    # what the target accepted taught the confidence bins (the n-gram's tokens have one too)
+    assert any(abs(r - (b + 0.5) / 10) > 1e-3 for b, r in enumerate(snapshot["acceptance_by_confidence"]))
     # the steps that were one cell of the grid taught it (issue 37): real steps, whole
     cells = snapshot["live_cells"]
     assert cells and all(int(bs) in stats and n >= 1 for bs, row in cells.items() for _, n in row.values())

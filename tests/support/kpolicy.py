@@ -22,6 +22,7 @@ class RaggedK:
         self.steps = 0
         self.draft_lens: list[list[int]] = []
         self.k_caps: list[list[int]] = []
+        self.confidence: list[list[list[float]] | None] = []
 
     def choose(self, candidates):
         self.steps += 1
@@ -34,6 +35,7 @@ class RaggedK:
     def observe(self, record):
         self.draft_lens.append(list(record.result.draft_lens))
         self.k_caps.append(list(record.plan.k_caps))
+        self.confidence.append(record.draft_confidence)
 
     def snapshot(self):
         return {"policy": "ragged"}
