@@ -113,8 +113,9 @@ def _cell(v: Any) -> str:
 # policies that choose K themselves (not a fixed K); "ctx-blind" is per-request on the profile
 # without its context axis (only where the profile has one), "cells-off" per-request without live
 # grid cells (``CellCorrection``: the grid moved by the live drift alone), "stops-off" per-request
-# without confidence stops (every draft the proposer makes is verified)
-DYNAMIC_CONFIGS = ("goodput", "per-request", "ctx-blind", "cells-off", "stops-off")
+# without confidence stops (every draft the proposer makes is verified), "matches-off" per-request
+# pricing an n-gram's rows by the request's acceptance, not by each row's match
+DYNAMIC_CONFIGS = ("goodput", "per-request", "ctx-blind", "cells-off", "stops-off", "matches-off")
 
 
 def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: int) -> dict[str, Any]:
@@ -122,7 +123,8 @@ def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: i
     ``K=<k>`` fixed; with a profile, ``table`` (its per-batch-size table), ``goodput`` (one K for
     the load, who drafts: the batch-level rule) and ``per-request`` (a K per request and confidence
     stops tuned online: the engine's default with a profile), ``cells-off`` (per-request without
-    live grid cells), ``stops-off`` (per-request without confidence stops), and with a profile
+    live grid cells), ``stops-off`` (per-request without confidence stops), ``matches-off``
+    (per-request pricing an n-gram's rows by acceptance, not by their matches), and with a profile
     that has a context axis, ``ctx-blind`` (per-request without it)."""
     from dynaspec.kpolicy.goodput import GoodputK
     from dynaspec.kpolicy.policy import FixedK, TableK
@@ -140,6 +142,9 @@ def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: i
         )
         policies["stops-off"] = lambda: GoodputK(
             profile, max_k, hysteresis_steps, per_request=True, min_confidence=0.0
+        )
+        policies["matches-off"] = lambda: GoodputK(
+            profile, max_k, hysteresis_steps, per_request=True, price_matches=False
         )
         if profile.context_tokens is not None and profile.context_stats:
             blind = without_context_axis(profile)

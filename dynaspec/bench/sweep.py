@@ -57,8 +57,9 @@ def add_parser(sub) -> None:
         default=None,
         help="run only these configurations, comma-separated "
         "(none, K=<k> from --fixed-ks, table, goodput, per-request, cells-off: per-request without live "
-        "grid cells, stops-off: per-request without confidence stops, and ctx-blind with a profile "
-        "that has a context axis: per-request without it); default all but cells-off and stops-off",
+        "grid cells, stops-off: per-request without confidence stops, matches-off: per-request pricing "
+        "an n-gram's rows by acceptance, not their matches, and ctx-blind with a profile that has a "
+        "context axis: per-request without it); default all but cells-off, stops-off and matches-off",
     )
     p.add_argument(
         "--max-tokens", type=int, default=48, help="output cap per request (keeps the sweep short)"
@@ -211,7 +212,11 @@ def run(args: argparse.Namespace) -> int:
     table = profile.num_speculative_tokens_per_batch_size
     policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
     configs = ["none", *policies]
-    opt_in = ["cells-off", "stops-off"]  # an A/B of the engine's own policy: asked for by name only
+    opt_in = [
+        "cells-off",
+        "stops-off",
+        "matches-off",
+    ]  # an A/B of the engine's own policy: asked for by name only
     if args.configs is None:
         configs = [c for c in configs if c not in opt_in]
     else:

@@ -180,6 +180,7 @@ class Engine:
             self.proposer.unseen_tokens,
             self.proposer.catchup_tokens,
             self.proposer.free_rates,
+            self.proposer.matches_only,
         )
         self._recordings: list[Recording] = []  # open ``recording()`` blocks
         self.device = device

@@ -42,6 +42,7 @@ class Scheduler:
         unseen_tokens: Callable[[Request], int] = lambda request: 0,
         catchup_tokens: Callable[[int], int] = lambda context_tokens: context_tokens,
         free_rates: Callable[[Request], tuple[float, ...]] = lambda request: (),
+        matches_only: bool = False,
     ) -> None:
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
@@ -53,6 +54,7 @@ class Scheduler:
         # a draft a decode may take at no drafter pass, its tokens' estimated probabilities (a
         # suffix match beside a draft model; () for every other proposer)
         self.free_rates = free_rates
+        self.matches_only = matches_only  # ... and where those matches are all it drafts (the n-gram)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._released: list[str] = []
@@ -96,8 +98,9 @@ class Scheduler:
             pending = self._pending()
             load = self._load(decodes + pending)
             chosen_k, wanted = k_policy.choose(load)
-            if any(c.free_rates for c in load):  # the decodes that take their match (none: [])
-                free = k_policy.free_rows()[: len(decodes)]
+            free_rows = getattr(k_policy, "free_rows", None)  # optional: a policy without it takes none
+            if free_rows is not None and any(c.free_rates for c in load):  # decodes taking their match
+                free = free_rows()[: len(decodes)]
             wanted = [min(w, max(0, r.tokens_left - 1)) for r, w in zip(decodes, wanted)]  # room to grow
             backlog = sum(r.num_tokens - r.num_computed_tokens for r in pending)  # prompt tokens to prefill
             wanted = fit_drafts(wanted, self.max_num_batched_tokens - len(decodes) - backlog)
@@ -211,6 +214,7 @@ class Scheduler:
                 request_id=r.request_id,
                 context_tokens=r.num_tokens,
                 free_rates=self.free_rates(r) if r.is_decoding else (),
+                match_only=self.matches_only,
             )
             for r in load
         ]

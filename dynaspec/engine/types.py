@@ -209,6 +209,9 @@ class DraftCandidate:
     # a draft it may take at no drafter pass (a suffix match beside a draft model): the estimated
     # probability of each of its tokens given the ones before; empty: none
     free_rates: tuple[float, ...] = ()
+    # True where the proposer drafts nothing but that match (model-free: the n-gram), so its rows
+    # are priced by their matches alone
+    match_only: bool = False
 
     def catchup_owed(self) -> float:
         """Catch-up tokens the request still owes the drafter, per token it may still generate."""

@@ -22,6 +22,9 @@ AGREED_BONUS = 0.15  # the previous occurrence went on the same way
 DIFFERED_FACTOR = 0.25  # ... or differently
 
 
+MAX_OFFERED = 8  # the longest match offered to the K policy when the config names no maximum K
+
+
 def match_confidence(n: int, n_max: int, agreed: bool | None) -> float:
     """A draft token's confidence from the matched n-gram's length ``n`` and whether the match's
     previous occurrence continued with the same token at that position (None: there is none)."""
@@ -68,16 +71,40 @@ class NgramProposer(Proposer):
         super().__init__(ctx)
         self.n_min = spec_config.prompt_lookup_min
         self.n_max = spec_config.prompt_lookup_max
+        # the longest match offered before the policy chooses (``free_rates``)
+        self.max_k = spec_config.num_speculative_tokens or MAX_OFFERED
+        self.matches_only = True  # its match is all it can draft: the policy prices each row by it
+        # this step's lookups, by request id: (the request's tokens then, the draft, its confidence)
+        self._matches: dict[str, tuple[int, list[int], list[float]]] = {}
+
+    def free_rates(self, request) -> tuple[float, ...]:
+        """The confidence of each token of the request's match (up to ``max_k``), kept for
+        ``propose``: the same context gives the same match."""
+        draft, conf = ngram_draft(np.asarray(request.all_token_ids), self.n_min, self.n_max, self.max_k)
+        self._matches[request.request_id] = (request.num_tokens, draft, conf)
+        return tuple(conf)
+
+    def _match(self, request, cap: int) -> tuple[list[int], list[float]]:
+        kept = self._matches.get(request.request_id)
+        if kept is not None and kept[0] == request.num_tokens and cap <= self.max_k:
+            return kept[1][:cap], kept[2][:cap]
+        return ngram_draft(np.asarray(request.all_token_ids), self.n_min, self.n_max, cap)
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._matches.pop(rid, None)
+
+    def reset(self) -> None:
+        self._matches = {}
 
     def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
         if plan.k == 0:
+            self._matches = {}
             return self.no_drafts(plan)
         rows: list[list[int]] = []
         confidence: list[list[float]] = []
         for r, cap in zip(plan.decodes, plan.k_caps):
-            draft, conf = (
-                ngram_draft(np.asarray(r.all_token_ids), self.n_min, self.n_max, cap) if cap else ([], [])
-            )
+            draft, conf = self._match(r, cap) if cap else ([], [])
             keep = next((j for j, p in enumerate(conf) if p < plan.min_draft_confidence), len(conf))  # a stop
             rows.append(draft[:keep])
             confidence.append(conf[:keep])
@@ -86,6 +113,7 @@ class NgramProposer(Proposer):
                 pad = cap - len(row)
                 row += [row[-1] if row else r.all_token_ids[-1]] * pad
                 conf += [0.0] * pad
+        self._matches = {}
         tokens = torch.zeros(plan.num_decodes, plan.k, dtype=torch.long)
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)

@@ -49,6 +49,9 @@ class Proposer:
         # the profiler's: every row drafts its whole cap, so that a step timed at K verifies
         # bs x (K+1) tokens, as ITL(bs, K) means (a proposer that may propose fewer pads its rows)
         self.fill_drafts = False
+        # True for a proposer whose only drafts are the matches ``free_rates`` offers (the n-gram):
+        # the K policy then prices each row by its match
+        self.matches_only = False
 
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes this proposer needs per token (0 if it keeps none)."""

@@ -148,7 +148,8 @@ def test_sweep_runs_a_chosen_subset_and_refuses_unknown_configs(tmp_path, target
     # the opt-in A/B: per-request beside itself without confidence stops
     assert main(common + ["--configs", "per-request,stops-off", "--result-file", str(result)]) == 0
     policies = {r["config"]: r["policy"] for r in json.loads(result.read_text())["rows"]}
-    assert set(policies) == {"per-request", "stops-off"} and policies["stops-off"]["min_draft_confidence"] == 0
+    assert set(policies) == {"per-request", "stops-off"}
+    assert policies["stops-off"]["min_draft_confidence"] == 0
     for bad, named in (("none,K=7", "K=7"), ("goodput", "at least two")):
         assert main(common + ["--configs", bad, "--result-file", str(result)]) == 2
         assert "--configs: " + named in capsys.readouterr().err
