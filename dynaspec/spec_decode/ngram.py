@@ -42,22 +42,32 @@ def ngram_draft(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> tuple[lis
     first; empty lists mean no n in [n_min, n_max] matched.
     """
     length = len(tokens)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = tokens[length - n :]
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)  # [length - n, n]
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            draft = tokens[start : start + k].tolist()
-            before = int(hits[-2]) + n if len(hits) > 1 else None
-            confidence = [
-                match_confidence(
-                    n, n_max, None if before is None or before + j >= length else int(tokens[before + j]) == t
-                )
-                for j, t in enumerate(draft)
-            ]
-            return draft, confidence
-    return [], []
+    longest = min(n_max, length - 1)
+    if longest < n_min or n_min < 1:
+        return [], []
+    # every earlier occurrence of the last token ends a candidate match (one pass over the context);
+    # each is then extended backwards while it agrees, up to the longest n (a few tiny passes)
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+    matched = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, longest):
+        alive &= ends >= j
+        alive[alive] = tokens[ends[alive] - j] == tokens[length - 1 - j]
+        matched += alive
+    n = int(matched.max(initial=0))
+    if n < n_min:
+        return [], []
+    hits = ends[matched >= n]  # the ends of the n-gram's occurrences, in order
+    start = int(hits[-1]) + 1
+    draft = tokens[start : start + k].tolist()
+    before = int(hits[-2]) + 1 if len(hits) > 1 else None
+    confidence = [
+        match_confidence(
+            n, n_max, None if before is None or before + j >= length else int(tokens[before + j]) == t
+        )
+        for j, t in enumerate(draft)
+    ]
+    return draft, confidence
 
 
 def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -76,11 +86,13 @@ class NgramProposer(Proposer):
         self.matches_only = True  # its match is all it can draft: the policy prices each row by it
         # this step's lookups, by request id: (the request's tokens then, the draft, its confidence)
         self._matches: dict[str, tuple[int, list[int], list[float]]] = {}
+        # each live request's tokens as an array, appended to as it grows (its length in use)
+        self._arrays: dict[str, tuple[np.ndarray, int]] = {}
 
     def free_rates(self, request) -> tuple[float, ...]:
         """The confidence of each token of the request's match (up to ``max_k``), kept for
         ``propose``: the same context gives the same match."""
-        draft, conf = ngram_draft(np.asarray(request.all_token_ids), self.n_min, self.n_max, self.max_k)
+        draft, conf = ngram_draft(self.tokens_of(request), self.n_min, self.n_max, self.max_k)
         self._matches[request.request_id] = (request.num_tokens, draft, conf)
         return tuple(conf)
 
@@ -88,14 +100,36 @@ class NgramProposer(Proposer):
         kept = self._matches.get(request.request_id)
         if kept is not None and kept[0] == request.num_tokens and cap <= self.max_k:
             return kept[1][:cap], kept[2][:cap]
-        return ngram_draft(np.asarray(request.all_token_ids), self.n_min, self.n_max, cap)
+        return ngram_draft(self.tokens_of(request), self.n_min, self.n_max, cap)
+
+    def tokens_of(self, request) -> np.ndarray:
+        """The request's prompt and output as an array, kept from step to step and appended to
+        (a lookup is then ~0.01 ms at any context; building the array from the lists was 0.06 ms
+        at 4,096 tokens and 0.27 at 16,384)."""
+        total = request.num_tokens
+        buf, n = self._arrays.get(request.request_id, (None, 0))
+        if buf is None or n > total:
+            buf, n = np.empty(max(64, 2 * total), dtype=np.int64), 0
+        elif total > len(buf):
+            grown = np.empty(2 * total, dtype=np.int64)
+            grown[:n] = buf[:n]
+            buf = grown
+        prompt = len(request.prompt_token_ids)
+        if n < prompt:
+            buf[n:prompt] = request.prompt_token_ids[n:]
+            n = prompt
+        if total > n:
+            buf[n:total] = request.output_token_ids[n - prompt : total - prompt]
+        self._arrays[request.request_id] = (buf, total)
+        return buf[:total]
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._matches.pop(rid, None)
+            self._arrays.pop(rid, None)
 
     def reset(self) -> None:
-        self._matches = {}
+        self._matches, self._arrays = {}, {}
 
     def propose(self, plan: SchedulePlan, sampling: SamplingTensors) -> Drafts:
         if plan.k == 0:

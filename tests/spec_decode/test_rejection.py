@@ -211,6 +211,51 @@ def test_ngram_lookup_prefers_longest_latest_match():
     assert ngram_lookup(np.array([4, 2, 4]), 1, 2, 5) == [2, 4]
 
 
+def naive_ngram_draft(tokens, n_min, n_max, k):
+    """The lookup as first written: for n from the longest down, every window compared."""
+    length = len(tokens)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if len(hits):
+            start, before = int(hits[-1]) + n, int(hits[-2]) + n if len(hits) > 1 else None
+            draft = tokens[start : start + k].tolist()
+            agreed = [
+                None if before is None or before + j >= length else int(tokens[before + j]) == t
+                for j, t in enumerate(draft)
+            ]
+            return draft, [match_confidence(n, n_max, a) for a in agreed]
+    return [], []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ngram_draft_finds_what_comparing_every_window_finds(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        tokens = rng.integers(0, int(rng.integers(2, 12)), int(rng.integers(1, 60)))
+        n_min = int(rng.integers(1, 4))
+        n_max = n_min + int(rng.integers(0, 4))
+        assert ngram_draft(tokens, n_min, n_max, 5) == naive_ngram_draft(tokens, n_min, n_max, 5)
+
+
+def test_ngram_proposer_keeps_each_request_s_tokens_as_they_grow():
+    from types import SimpleNamespace
+
+    from dynaspec.spec_decode.ngram import NgramProposer
+
+    spec = SimpleNamespace(prompt_lookup_min=1, prompt_lookup_max=3, num_speculative_tokens=4)
+    proposer = NgramProposer(spec, SimpleNamespace(device="cpu"))
+    request = SimpleNamespace(request_id="r", prompt_token_ids=[3, 1, 4, 1, 5], output_token_ids=[])
+    for token in [9, 2, 6, 5, 3, 5, 8, 9, 7, 9] * 20:  # past the first array's room
+        request.output_token_ids.append(token)
+        request.num_tokens = 5 + len(request.output_token_ids)
+        whole = request.prompt_token_ids + request.output_token_ids
+        assert proposer.tokens_of(request).tolist() == whole
+        assert proposer.free_rates(request) == tuple(ngram_draft(np.array(whole), 1, 3, 4)[1])
+    proposer.release(["r"])
+    assert proposer._arrays == {} and proposer._matches == {}
+
+
 def test_ngram_confidence_follows_the_match_length_and_its_previous_occurrence():
     toks = np.array([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
     draft, confidence = ngram_draft(toks, 1, 3, 3)  # "6 7" before 9 2 6; the time before, before 8 1 6
