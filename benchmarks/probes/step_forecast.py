@@ -79,6 +79,9 @@ class Recorder:
                     "expected": expected,
                     "wall_ms": timing.step_ms - getattr(self.policy, "_choice_ms", 0.0),
                     "price_ms": price,
+                    "target_ms": timing.target_ms,
+                    "draft_ms": sum(p.ms for p in timing.draft_passes),
+                    "catchup_tokens": sum(p.extra_tokens for p in timing.draft_passes),
                     "rows_drafted": per_row if self.rates else [],
                 }
             )
@@ -168,15 +171,21 @@ def main() -> None:
             Recorder(policy, GoodputK(profile, 5, live_cells=False), steps[name])
             tokens, wall = run(engine, policy, prompts, args, rnd * 1000)
             rates[name].append(tokens / wall)
-            print(f"round {rnd} {name}: {tokens / wall:.2f} tok/s", flush=True)
+            cells = policy.snapshot().get("live_cells") if isinstance(policy, GoodputK) else None
+            print(
+                f"round {rnd} {name}: {tokens / wall:.2f} tok/s" + (f", live cells {cells}" if cells else "")
+            )
     report = {
         "args": vars(args),
         "configs": {
             n: {
                 "tokens_per_s_by_round": rates[n],
                 "by_kind": summary(steps[n], args.concurrency),
+                # rows, drafted, accepted, expected, rows_drafted, wall, price, target, drafter ms, catch-up
                 "steps": [
-                    [s["rows"], s["drafted"], s["accepted"], s["expected"], s["rows_drafted"]]
+                    [s[key] for key in ("rows", "drafted", "accepted", "expected", "rows_drafted")]
+                    + [round(s[key], 2) for key in ("wall_ms", "price_ms", "target_ms", "draft_ms")]
+                    + [s["catchup_tokens"]]
                     for s in steps[n]
                 ],
             }

@@ -203,6 +203,7 @@ class CellCorrection:
     def __init__(self, grid: dict[int, dict[int, float]]) -> None:
         self.base = grid
         self.grid = {bs: dict(row) for bs, row in grid.items()}
+        self.max_k = max((k for row in grid.values() for k in row), default=0)
         # whole steps' wall time / the grid's: a whole step is a fair measure, so its prior fades
         # within a few steps (8 steps: 80% live)
         self.scale = LiveScale(prior_weight=2.0)
@@ -210,13 +211,16 @@ class CellCorrection:
         self.steps = 0  # steps observed, cells or not
         self.last_seen: dict[tuple[int, int], int] = {}  # cell -> the step that last timed or tried it
 
-    @staticmethod
-    def whole(timing: StepTiming) -> bool:
+    def whole(self, timing: StepTiming) -> bool:
         """Whether the step was timed whole and only decoded, its drafter caught up: what the
-        grid's cells time."""
-        passes = timing.draft_passes
-        decoded = timing.decode_rows and not timing.prefill_tokens
-        return bool(_positive(timing.step_ms) and decoded and not any(extra for _, extra, _ in passes))
+        grid's cells time. A draft model in steady state reads, with its first pass, the tokens
+        the last step accepted (up to K a row beyond its one): the profiler's fixed-K cells
+        did too, so up to the grid's largest K a row counts as caught up. Requiring none kept
+        every drafting step of the pair from its cells (issue 37: only its K=0 steps taught)."""
+        passes, rows = timing.draft_passes, timing.decode_rows
+        decoded = rows and not timing.prefill_tokens
+        caught_up = sum(extra for _, extra, _ in passes) <= rows * self.max_k
+        return bool(_positive(timing.step_ms) and decoded and caught_up)
 
     def cell_of(self, timing: StepTiming, lens: Sequence[int]) -> tuple[int, int] | None:
         """(bs, K) when the step was one cell of the grid, else None."""

@@ -287,7 +287,7 @@ class GoodputK:
         afresh."""
         load = tuple((c.request_id, c.prompt_tokens, c.max_tokens) for c in candidates)
         # (free matches change every step: a load offering any is decided afresh)
-        steady = all(c.decoding and c.unseen_tokens <= 1 and not c.free_rates for c in candidates)
+        steady = all(c.decoding and self._caught_up(c) and not c.free_rates for c in candidates)
         kept = self._kept
         if steady and kept is not None and kept[0] == load and kept[2] < self.redecide_every:
             drafts = [min(d, max(0, c.tokens_left - 1)) for d, c in zip(kept[1], candidates)]
@@ -367,6 +367,11 @@ class GoodputK:
                 k, drafts = neighbour, [neighbour] * bs
         return k, drafts
 
+    def _caught_up(self, candidate: DraftCandidate) -> bool:
+        """Whether its drafter owes no more than what the last step accepted (a draft model reads
+        those tokens with its next first pass, as the profile's steps did), not a prompt."""
+        return candidate.unseen_tokens <= 1 + self.max_k
+
     def _neighbour_to_time(
         self,
         candidates: Sequence[DraftCandidate],
@@ -387,7 +392,7 @@ class GoodputK:
             return None
         if self.cells.scale.weight < EXPLORE_AFTER:
             return None
-        if not all(c.decoding and c.unseen_tokens <= 1 and not c.free_rates for c in candidates):
+        if not all(c.decoding and self._caught_up(c) and not c.free_rates for c in candidates):
             return None
         best = max(scores.values())
         for k in (drafts[0] + 1, drafts[0] - 1):

@@ -127,6 +127,8 @@ def test_a_far_neighbour_is_never_explored():
         (StepTiming(5, 0, 20.0, [(2, 0, 3.0)] * 2, 2, step_ms=30.0), [2, 1], None),  # ragged
         (StepTiming(6, 9, 20.0, [(2, 0, 3.0)] * 2, 2, step_ms=30.0), [2, 2], None),  # a prefill
         (StepTiming(6, 0, 20.0, [(2, 7, 3.0), (2, 0, 3.0)], 2, step_ms=30.0), [2, 2], None),  # catch-up
+        # the drafter reading what the last step accepted (at most the grid's largest K a row)
+        (StepTiming(6, 0, 20.0, [(2, 3, 3.0), (2, 0, 3.0)], 2, step_ms=30.0), [2, 2], (2, 2)),
         (StepTiming(6, 0, 20.0, [(2, 0, 3.0)] * 3, 2, step_ms=30.0), [2, 2], None),  # a stopped pass
         (StepTiming(9, 0, 20.0, [(3, 0, 3.0)] * 2, 3, step_ms=30.0), [2, 2, 2], None),  # no such bs
         (StepTiming(12, 0, 20.0, [], 2, step_ms=30.0), [5, 5], None),  # no such K
