@@ -15,18 +15,17 @@ from collections import defaultdict
 
 import numpy as np
 
+from dynaspec.bench.sweep import closed_loop
 from dynaspec.datasets import load_prompts
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.ngram import ngram_draft
+from dynaspec.spec_decode.ngram import ngram_draft, ngram_match
 
 
 def answers(engine: Engine, prompts: list, max_tokens: int) -> list[tuple[list[int], list[int]]]:
-    requests = [
-        engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0)) for p in prompts
-    ]
-    while engine.has_unfinished():
-        engine.step()
+    _, requests, _ = closed_loop(
+        engine, prompts, len(prompts), SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    )
     return [(list(r.prompt_token_ids), list(r.output_token_ids)) for r in requests]
 
 
@@ -41,7 +40,7 @@ def tabulate(pairs, n_min: int, n_max: int, k: int) -> dict[str, dict]:
             draft, _ = ngram_draft(context, n_min, n_max, k)
             if not draft:
                 continue
-            n, before = matched(context, n_min, n_max)
+            n, _, before = ngram_match(context, n_min, n_max)
             for j, (drafted, truth) in enumerate(zip(draft, output[t : t + k])):
                 if before is None:
                     kind = "single"
@@ -58,18 +57,6 @@ def tabulate(pairs, n_min: int, n_max: int, k: int) -> dict[str, dict]:
         f"pos{j} n={n} {kind}": {"reached": r, "accepted": round(a / r, 3)}
         for (j, n, kind), (r, a) in sorted(table.items())
     }
-
-
-def matched(tokens: np.ndarray, n_min: int, n_max: int) -> tuple[int, int | None]:
-    """The matched n (the longest trailing n-gram seen before) and where the occurrence before the
-    continued one goes on (None: seen once)."""
-    length = len(tokens)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
-        if len(hits):
-            return n, int(hits[-2]) + n if len(hits) > 1 else None
-    return 0, None
 
 
 def main() -> None:

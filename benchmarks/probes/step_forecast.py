@@ -19,10 +19,10 @@ against those the policy expected of the rows it drafted (its per-request rates 
 import argparse
 import json
 import statistics
-import time
 from collections import defaultdict
 
 from dynaspec.bench.common import k_policies
+from dynaspec.bench.sweep import closed_loop
 from dynaspec.datasets import load_prompts
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.kpolicy.goodput import GoodputK
@@ -88,24 +88,13 @@ class Recorder:
         self._observe(record)
 
 
-def run(engine, policy, prompts, args, seed: int) -> tuple[int, float]:
+def run(engine, policy, prompts, concurrency: int, max_tokens: int) -> tuple[int, float]:
+    """One closed loop with ``policy`` (``bench sweep``'s): output tokens and wall seconds."""
     engine.set_k_policy(policy)
-    queued = list(enumerate(prompts))
-
-    def submit() -> None:
-        i, prompt = queued.pop(0)
-        engine.add_request(prompt, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=seed + i))
-
-    for _ in range(min(args.concurrency, len(queued))):
-        submit()
-    start, tokens = time.perf_counter(), 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                tokens += len(o.output_token_ids)
-                if queued:
-                    submit()
-    return tokens, time.perf_counter() - start
+    wall, requests, _ = closed_loop(
+        engine, prompts, concurrency, SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    )
+    return sum(len(r.output_token_ids) for r in requests), wall
 
 
 def summary(steps: list[dict], rows: int) -> dict:
@@ -156,20 +145,14 @@ def main() -> None:
     makers = k_policies(fixed, profile, 5, 3)
     prompts = load_prompts(args.dataset, chat=True)[: args.prompts]
     # a short run first: a process's first steps run slower (the first configuration would pay them)
-    run(
-        engine,
-        makers[names[0]](),
-        prompts[: args.concurrency],
-        argparse.Namespace(**{**vars(args), "max_tokens": 16}),
-        0,
-    )
+    run(engine, makers[names[0]](), prompts[: args.concurrency], args.concurrency, 16)
     steps: dict[str, list[dict]] = defaultdict(list)
     rates: dict[str, list[float]] = defaultdict(list)
     for rnd in range(args.rounds):
         for name in names if rnd % 2 == 0 else names[::-1]:
             policy = makers[name]()
             Recorder(policy, GoodputK(profile, 5, live_cells=False), steps[name])
-            tokens, wall = run(engine, policy, prompts, args, rnd * 1000)
+            tokens, wall = run(engine, policy, prompts, args.concurrency, args.max_tokens)
             rates[name].append(tokens / wall)
             cells = policy.snapshot().get("live_cells") if isinstance(policy, GoodputK) else None
             print(

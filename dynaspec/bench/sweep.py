@@ -212,11 +212,8 @@ def run(args: argparse.Namespace) -> int:
     table = profile.num_speculative_tokens_per_batch_size
     policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
     configs = ["none", *policies]
-    opt_in = [
-        "cells-off",
-        "stops-off",
-        "matches-off",
-    ]  # an A/B of the engine's own policy: asked for by name only
+    # A/Bs of the engine's own policy: asked for by name only
+    opt_in = ["cells-off", "stops-off", "matches-off"]
     if args.configs is None:
         configs = [c for c in configs if c not in opt_in]
     else:

@@ -461,12 +461,11 @@ class GoodputK:
         caps = [min(cap, len(c.free_rates)) for cap, c in zip(caps, candidates)]
         rates = [self.match_calibration.expected(c.free_rates[:cap]) for c, cap in zip(candidates, caps)]
         free, charges = [True] * bs, [0.0] * bs
-        best: tuple[list[int], float] | None = None
-        for begin in ([min(d, cap) for d, cap in zip(start, caps)], [0] * bs):
-            ks, goodput = refine_drafts(begin, rates, charges, caps, drafted_cost, plain, bs, free)
-            if best is None or goodput > best[1] * (1 + 1e-9):
-                best = (ks, goodput)
-        return best[0] if best is not None else [0] * bs
+        ks, goodput = refine_drafts(
+            [min(d, cap) for d, cap in zip(start, caps)], rates, charges, caps, drafted_cost, plain, bs, free
+        )
+        from_none, other = refine_drafts([0] * bs, rates, charges, caps, drafted_cost, plain, bs, free)
+        return from_none if other > goodput * (1 + 1e-9) else ks
 
     def free_rows(self) -> list[bool]:
         return self._free

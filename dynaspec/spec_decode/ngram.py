@@ -34,17 +34,15 @@ def match_confidence(n: int, n_max: int, agreed: bool | None) -> float:
     return min(0.9, base + AGREED_BONUS) if agreed else base * DIFFERED_FACTOR
 
 
-def ngram_draft(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> tuple[list[int], list[float]]:
-    """Up to k tokens that followed the most recent earlier match of the longest trailing n-gram,
-    and each token's confidence (``match_confidence``).
-
-    ``tokens`` is the request's prompt + output so far (1-D int array). Longer n-grams are tried
-    first; empty lists mean no n in [n_min, n_max] matched.
+def ngram_match(tokens: np.ndarray, n_min: int, n_max: int) -> tuple[int, int, int | None] | None:
+    """The longest trailing n-gram of ``tokens`` (n in [n_min, n_max]) seen before: (n, where its
+    most recent earlier occurrence goes on, where the occurrence before that goes on or None), or
+    None where no such n matched. ``tokens`` is the request's prompt + output so far (1-D int array).
     """
     length = len(tokens)
     longest = min(n_max, length - 1)
     if longest < n_min or n_min < 1:
-        return [], []
+        return None
     # every earlier occurrence of the last token ends a candidate match (one pass over the context);
     # each is then extended backwards while it agrees, up to the longest n (a few tiny passes)
     ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
@@ -56,11 +54,21 @@ def ngram_draft(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> tuple[lis
         matched += alive
     n = int(matched.max(initial=0))
     if n < n_min:
-        return [], []
+        return None
     hits = ends[matched >= n]  # the ends of the n-gram's occurrences, in order
-    start = int(hits[-1]) + 1
+    return n, int(hits[-1]) + 1, int(hits[-2]) + 1 if len(hits) > 1 else None
+
+
+def ngram_draft(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> tuple[list[int], list[float]]:
+    """Up to k tokens that followed the most recent earlier match of the longest trailing n-gram
+    (``ngram_match``), and each token's confidence (``match_confidence``); empty lists where no n
+    in [n_min, n_max] matched."""
+    match = ngram_match(tokens, n_min, n_max)
+    if match is None:
+        return [], []
+    n, start, before = match
     draft = tokens[start : start + k].tolist()
-    before = int(hits[-2]) + 1 if len(hits) > 1 else None
+    length = len(tokens)
     confidence = [
         match_confidence(
             n, n_max, None if before is None or before + j >= length else int(tokens[before + j]) == t
@@ -68,11 +76,6 @@ def ngram_draft(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> tuple[lis
         for j, t in enumerate(draft)
     ]
     return draft, confidence
-
-
-def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
-    """The tokens of ``ngram_draft`` alone."""
-    return ngram_draft(tokens, n_min, n_max, k)[0]
 
 
 @register_proposer("ngram")

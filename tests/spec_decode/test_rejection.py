@@ -18,7 +18,7 @@ from dynaspec.engine.sampler import (
 )
 from dynaspec.engine.types import Drafts
 from dynaspec.spec_decode.device_verify import verify_on_device
-from dynaspec.spec_decode.ngram import match_confidence, ngram_draft, ngram_lookup
+from dynaspec.spec_decode.ngram import match_confidence, ngram_draft
 from dynaspec.spec_decode.rejection import rejection_sample
 
 V, K, N = 6, 2, 12000
@@ -206,9 +206,9 @@ def test_processed_probs_top_k_top_p():
 
 def test_ngram_lookup_prefers_longest_latest_match():
     toks = np.array([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
-    assert ngram_lookup(toks, 1, 3, 3) == [9, 2, 6]  # "6 7" last seen before 9
-    assert ngram_lookup(np.array([1, 2, 3]), 1, 3, 2) == []
-    assert ngram_lookup(np.array([4, 2, 4]), 1, 2, 5) == [2, 4]
+    assert ngram_draft(toks, 1, 3, 3)[0] == [9, 2, 6]  # "6 7" last seen before 9
+    assert ngram_draft(np.array([1, 2, 3]), 1, 3, 2)[0] == []
+    assert ngram_draft(np.array([4, 2, 4]), 1, 2, 5)[0] == [2, 4]
 
 
 def naive_ngram_draft(tokens, n_min, n_max, k):
