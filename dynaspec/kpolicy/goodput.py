@@ -234,8 +234,9 @@ class GoodputK:
         self.requests = RequestAcceptance()
         self.fixed_confidence = min_confidence
         self.calibration = ConfidenceCalibration()
-        # acceptance of free matches' tokens by their frequency (a draft model with suffix decoding)
-        self.match_calibration = ConfidenceCalibration()
+        # acceptance of matches' tokens by their frequency and position (first, second, later): the
+        # n-gram's, and a draft model's with suffix decoding
+        self.match_calibration = ConfidenceCalibration(positions=3)
         self._free: list[bool] = []  # the last choice's candidates that take their free match
         self.load = 0  # the load of the last choice (for the confidence stop's break-even)
         self.explore_below = explore_below
@@ -624,7 +625,7 @@ class GoodputK:
             "live_cells": self.cells.snapshot(),
             "grid_drift": None if self.cells.drift() is None else round(self.cells.drift(), 4),
             "min_draft_confidence": round(self.min_draft_confidence(), 3),
-            "acceptance_by_confidence": self.calibration.snapshot(),
+            "acceptance_by_confidence": self.calibration.snapshot()[0],
             "match_acceptance_by_frequency": self.match_calibration.snapshot(),
             "cost_model": self.costs.snapshot(),
             "context_tokens": None if self.context is None else round(self.context, 1),

@@ -335,6 +335,29 @@ def test_confidence_calibration_stops_below_break_even():
     cal.observe([], [], [])  # empty steps never crash
 
 
+def test_calibration_by_position_prices_the_first_token_apart():
+    """Matches whose first token the target keeps 40% of the time and later ones 80% (the n-gram on
+    chat): bins pooled over positions expect the first too high; bins by position learn both."""
+    import random
+
+    from dynaspec.kpolicy.acceptance import ConfidenceCalibration
+
+    rng = random.Random(0)
+    pooled, by_position = ConfidenceCalibration(decay=1.0), ConfidenceCalibration(decay=1.0, positions=3)
+    for _ in range(2000):
+        accepted = 0
+        while accepted < 4 and rng.random() < (0.4 if accepted == 0 else 0.8):
+            accepted += 1
+        for cal in (pooled, by_position):
+            cal.observe([[0.45] * 4], [4], [accepted])
+    first = by_position.expected([0.45] * 3)
+    assert first[0] == pytest.approx(0.4, abs=0.03)
+    assert first[1] == pytest.approx(0.4 * 0.8, abs=0.03) and first[2] == pytest.approx(0.4 * 0.64, abs=0.03)
+    assert pooled.expected([0.45])[0] > 0.5  # first and later tokens in one bin
+    assert len(by_position.snapshot()) == 3 and by_position.snapshot()[0][4] == pytest.approx(0.4, abs=0.03)
+    assert by_position.threshold(0.5) == pytest.approx(0.5)  # the first position's bins set the stop
+
+
 def test_refine_drafts_gives_k_to_the_requests_that_accept():
     from dynaspec.kpolicy.goodput import refine_drafts
 

@@ -110,7 +110,7 @@ def test_matched_rows_teach_their_calibration_and_not_the_drafters_acceptance():
     # the matched row, rejected at its first token, lowers its bin; the drafter accepted all of its
     assert rule.match_calibration.rate(9) < 0.3
     assert rule.acceptance.rates()[0] > before[0]
-    assert rule.snapshot()["match_acceptance_by_frequency"][9] < 0.3
+    assert rule.snapshot()["match_acceptance_by_frequency"][0][9] < 0.3
 
 
 # ---- the engine on the tiny models ----------------------------------------------------------------
