@@ -9,7 +9,8 @@ never learns: the profile's grid at the step's rows, the drafts it actually veri
 layer, as ``GoodputK.drafted_cost`` prices them) and its mean context. It reports, per
 configuration and kind of step (no drafts, every row the same K, ragged K), the steps' wall time
 over that price; and for the per-request policy's drafted rows, the tokens the target accepted
-against those the policy expected of the rows it drafted (its per-request rates at choice time).
+against those the policy expected of the rows it drafted (its per-request rates at choice time,
+or, where it priced each row by its match, its match calibration's rates of the match).
 
     .venv/bin/python benchmarks/probes/step_forecast.py --profile ~/.cache/dynaspec/profiles/<ngram>.json \\
         --speculative-config '{"method":"ngram","num_speculative_tokens":5}' --dataset mtbench \\
@@ -50,9 +51,12 @@ class Recorder:
     def choose(self, candidates):
         self.load = len(candidates)
         out = self._choose(candidates)
-        if isinstance(self.policy, GoodputK):
-            alpha = self.policy.acceptance.rates()
-            self.rates = {c.request_id: self.policy.requests.rates(c.request_id, alpha) for c in candidates}
+        policy = self.policy
+        if isinstance(policy, GoodputK) and policy._matches_only:  # rows priced by their matches
+            self.rates = {c.request_id: policy.match_calibration.expected(c.free_rates) for c in candidates}
+        elif isinstance(policy, GoodputK):
+            alpha = policy.acceptance.rates()
+            self.rates = {c.request_id: policy.requests.rates(c.request_id, alpha) for c in candidates}
         return out
 
     def observe(self, record) -> None:

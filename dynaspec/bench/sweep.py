@@ -51,7 +51,12 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--prompts-per-concurrency", type=int, default=4, help="prompts = this x concurrency ...")
     p.add_argument("--min-prompts", type=int, default=16, help="... but at least this many per concurrency")
-    p.add_argument("--fixed-ks", default="1,3,5")
+    p.add_argument(
+        "--fixed-ks",
+        default="1,3,5",
+        help="fixed Ks to run beside the policies (K=0: the speculative engine drafting nothing, its "
+        "overhead against none)",
+    )
     p.add_argument(
         "--configs",
         default=None,
@@ -190,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     )
     profile = None if path == AUTO else load_profile(path)
     concurrencies = _ints(args.concurrency, "--concurrency")
-    fixed_ks = _ints(args.fixed_ks, "--fixed-ks")
+    fixed_ks = _ints(args.fixed_ks, "--fixed-ks", least=0)
     profiled_k = profile.max_num_speculative_tokens if profile else spec.max_k
     max_k = max([*fixed_ks, profiled_k])
     prompts = load_prompts(args.dataset, chat=True)
@@ -480,11 +485,11 @@ def plot_sweep(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _ints(text: str, flag: str) -> list[int]:
+def _ints(text: str, flag: str, least: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag}: need integers >= 1")
+    if not values or min(values) < least:
+        raise ValueError(f"{flag}: need integers >= {least}")
     return values

@@ -168,3 +168,52 @@ def test_the_grid_s_drift_is_its_own_measure_not_a_cost_model_s_misfit():
     assert ks[-100:].count(best_k(TRUE)) >= 88
     _, _, off = simulate(dict(TRUE), cost_model=model, live_cells=False)
     assert off.itl(1, 1) > 1.2 * TRUE[1]  # without live cells, the grid read through the model's scales
+
+
+def test_the_drift_has_a_plain_part_and_a_drafting_part():
+    """On zen5 the n-gram's plain steps at one request ran 0.82 of the profile's an hour later (the
+    memory's rate moved), while what drafts added ran at twice the grid's figure (issue 37). Half
+    the steps have no match (nothing to draft): the plain ones teach the plain part, the drafting
+    ones what drafting adds, and the policy reads every cell right, those it never ran included,
+    with the cells' own ratios near 1. One drift for both would price every draft 11% cheap."""
+    grid = {0: 25.0, 1: 26.5, 2: 27.6, 3: 28.6, 4: 29.7, 5: 30.7}
+    true = {k: 0.82 * grid[0] + 2.1 * (ms - grid[0]) for k, ms in grid.items()}
+    assert best_k(grid) == 5 and best_k(true) == 3
+
+    def run(one_drift: bool) -> tuple[list[int], GoodputK]:
+        profile = Profile(5, ALPHA, {1: dict(grid), 2: {k: 1.4 * ms for k, ms in grid.items()}})
+        policy = GoodputK(profile, 5, hysteresis_steps=1)
+        if one_drift:
+            policy.cells.parts = lambda: (policy.cells.drift() or 1.0,) * 2
+        given = [ALPHA[0]] + [b / a for a, b in itertools.pairwise(ALPHA)]
+        owed, ks = [0.5] * 5, []
+        for step in range(200):
+            left = 1 if step % 2 else 1 << 20  # a request with one token left drafts nothing
+            k, _ = policy.choose([DraftCandidate(1, left, request_id="r")])
+            accepted = 0
+            while accepted < k:
+                owed[accepted] += given[accepted]
+                if owed[accepted] < 1:
+                    break
+                owed[accepted] -= 1
+                accepted += 1
+            policy.observe(
+                step_record([k], [accepted], StepTiming(1 + k, 0, true[k], [], 1, step_ms=true[k]))
+            )
+            ks += [k] if left > 1 else []
+        return ks, policy
+
+    ks, policy = run(one_drift=False)
+    plain, drafting = policy.snapshot()["grid_drift_parts"]
+    assert plain == pytest.approx(0.82, abs=0.02) and drafting == pytest.approx(2.1, rel=0.1)
+    assert ks[-50:].count(3) >= 40
+    for k in range(5):  # K=1 never ran
+        assert policy.itl(1, k) == pytest.approx(true[k], rel=0.03)
+    # (K=5's cell learnt 8% from the first steps, before the parts had; it is not run again)
+    cells = policy.snapshot()["live_cells"]["1"]
+    assert (
+        all(abs(cells[str(k)][0] - 1) < 0.05 for k in (0, 2, 3)) and max(r for r, _ in cells.values()) < 1.1
+    )
+    # one drift: the cells must carry what it misses, each only once it has been run
+    _, uniform = run(one_drift=True)
+    assert max(ratio for ratio, _ in uniform.snapshot()["live_cells"]["1"].values()) > 1.08
