@@ -45,9 +45,6 @@ if TYPE_CHECKING:
 TARGET_FEATURES = ("step", "verify_tokens", "prefill_tokens")
 DRAFT_FEATURES = ("pass", "rows", "extra_tokens")
 MAX_DRIFT = 3.0
-# a drafting step teaches the drift of what drafting adds only where that is this share of the step
-# or more (less, and the plain step's noise would read as drafting's)
-DRAFTING_SHARE = 0.1
 
 
 class LiveScale:
@@ -190,15 +187,6 @@ class CellCorrection:
     grid said, and less so the more a step drafted (the drafter's model fitted better), which
     tilted the choice towards deeper drafts (issue 37, the results diary).
 
-    The drift has two parts (``parts``): what a plain step takes against the grid's plain cell
-    (``plain``, from steps that draft nothing), and what drafting adds against what the grid says
-    it adds (``drafting``, from the steps that draft, less their plain part at the plain drift).
-    A plain step on a CPU streams the weights and moves with the memory's rate; the rows a draft
-    adds are arithmetic and do not. On zen5 the n-gram's plain steps at one request ran 0.82 of
-    their cell an hour after profiling while K=5's steps added 2.1 times the grid's 5.8 ms: one
-    drift read from the many plain steps priced every draft 18% cheap, and the policy drafted
-    deep where K=2 was faster (issue 37). ``drafting`` starts at the grid's own figure (1).
-
     One drift moves every cell alike, so the grid's cells keep their relative errors: a quick
     profile times a batch-1 cell in a few steps, and on a shared CPU such a cell can be 10-15%
     off. On zen5 an auto profile put ITL(1, 1) at 35.0 ms where fixed K=1 steps in the next
@@ -219,8 +207,6 @@ class CellCorrection:
         # whole steps' wall time / the grid's: a whole step is a fair measure, so its prior fades
         # within a few steps (8 steps: 80% live)
         self.scale = LiveScale(prior_weight=2.0)
-        self.plain = LiveScale(prior_weight=2.0)  # plain steps / the grid's plain cells
-        self.drafting = LiveScale(prior_weight=2.0)  # what drafting added / what the grid says it adds
         self.ratios: dict[tuple[int, int], LiveScale] = {}
         self.steps = 0  # steps observed, cells or not
         self.last_seen: dict[tuple[int, int], int] = {}  # cell -> the step that last timed or tried it
@@ -253,31 +239,9 @@ class CellCorrection:
         """Live / profiled time of a whole step (None until a step has been timed)."""
         return self.scale.value if self.scale.weight >= 1.0 else None
 
-    def parts(self) -> tuple[float, float]:
-        """The drift's two parts: (plain steps, what drafting adds), each live / profiled."""
-        plain = self.plain.value if self.plain.weight >= 1.0 else self.drift() or 1.0
-        return plain, self.drafting.value
-
-    def read(self, plain_ms: float, step_ms: float) -> float:
-        """A step the (corrected) grid puts at ``step_ms``, ``plain_ms`` of it the plain step, as
-        live steps find it: each part times its drift."""
-        plain, drafting = self.parts()
-        return plain * plain_ms + drafting * (step_ms - plain_ms)
-
-    def observe_step(self, observed_ms: float, predicted_ms: float, plain_ms: float | None = None) -> None:
-        """A whole decode step against the (uncorrected) grid's figure for it, of which
-        ``plain_ms`` is the plain step's (None: not known). A plain step teaches the plain drift;
-        a drafting step, where drafting is at least ``DRAFTING_SHARE`` of it, what drafting adds
-        beyond the plain step at that drift."""
+    def observe_step(self, observed_ms: float, predicted_ms: float) -> None:
+        """A whole decode step against the (uncorrected) grid's figure for it."""
         self.scale.observe(observed_ms, predicted_ms)
-        if plain_ms is None or not _positive(plain_ms):
-            return
-        added = predicted_ms - plain_ms
-        if added <= 0.0:
-            self.plain.observe(observed_ms, plain_ms)
-        elif added >= DRAFTING_SHARE * predicted_ms:
-            plain, _ = self.parts()
-            self.drafting.observe(max(observed_ms - plain * plain_ms, added / MAX_DRIFT), added)
 
     def observe(self, cell: tuple[int, int], observed_ms: float, predicted_ms: float) -> None:
         """One step of ``cell``: ``predicted_ms`` is the uncorrected cell at the step's context,
