@@ -19,7 +19,7 @@ from dynaspec.bench.sweep import closed_loop
 from dynaspec.datasets import load_prompts
 from dynaspec.engine.engine import Engine, EngineConfig
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.ngram import ngram_draft, ngram_match
+from dynaspec.spec_decode.ngram import ngram_match
 
 
 def answers(engine: Engine, prompts: list, max_tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -37,10 +37,11 @@ def tabulate(pairs, n_min: int, n_max: int, k: int) -> dict[str, dict]:
         tokens = np.array(prompt + output)
         for t in range(1, len(output) - 1):
             context = tokens[: len(prompt) + t]
-            draft, _ = ngram_draft(context, n_min, n_max, k)
-            if not draft:
+            match = ngram_match(context, n_min, n_max)  # what ngram_draft drafts from
+            if match is None:
                 continue
-            n, _, before = ngram_match(context, n_min, n_max)
+            n, start, before = match
+            draft = context[start : start + k].tolist()
             for j, (drafted, truth) in enumerate(zip(draft, output[t : t + k])):
                 if before is None:
                     kind = "single"
