@@ -168,3 +168,114 @@ def test_the_grid_s_drift_is_its_own_measure_not_a_cost_model_s_misfit():
     assert ks[-100:].count(best_k(TRUE)) >= 88
     _, _, off = simulate(dict(TRUE), cost_model=model, live_cells=False)
     assert off.itl(1, 1) > 1.2 * TRUE[1]  # without live cells, the grid read through the model's scales
+
+
+def test_the_drift_has_a_plain_part_and_a_drafting_part():
+    """On zen5 the n-gram's plain steps at one request ran 0.82 of the profile's an hour later (the
+    memory's rate moved), while what drafts added ran at twice the grid's figure (issue 37). Half
+    the steps have no match (nothing to draft): the plain ones teach the plain part, the drafting
+    ones what drafting adds, and the policy reads every cell right, those it never ran included,
+    with the cells' own ratios near 1. One drift for both would price every draft 11% cheap."""
+    grid = {0: 25.0, 1: 26.5, 2: 27.6, 3: 28.6, 4: 29.7, 5: 30.7}
+    true = {k: 0.82 * grid[0] + 2.1 * (ms - grid[0]) for k, ms in grid.items()}
+    assert best_k(grid) == 5 and best_k(true) == 3
+
+    def run(one_drift: bool) -> tuple[list[int], GoodputK]:
+        profile = Profile(5, ALPHA, {1: dict(grid), 2: {k: 1.4 * ms for k, ms in grid.items()}})
+        policy = GoodputK(profile, 5, hysteresis_steps=1)
+        if one_drift:
+            policy.cells.parts = lambda: (policy.cells.drift() or 1.0,) * 2
+        given = [ALPHA[0]] + [b / a for a, b in itertools.pairwise(ALPHA)]
+        owed, ks = [0.5] * 5, []
+        for step in range(200):
+            left = 1 if step % 2 else 1 << 20  # a request with one token left drafts nothing
+            k, _ = policy.choose([DraftCandidate(1, left, request_id="r")])
+            accepted = 0
+            while accepted < k:
+                owed[accepted] += given[accepted]
+                if owed[accepted] < 1:
+                    break
+                owed[accepted] -= 1
+                accepted += 1
+            policy.observe(
+                step_record([k], [accepted], StepTiming(1 + k, 0, true[k], [], 1, step_ms=true[k]))
+            )
+            ks += [k] if left > 1 else []
+        return ks, policy
+
+    ks, policy = run(one_drift=False)
+    plain, drafting = policy.snapshot()["grid_drift_parts"]
+    assert plain == pytest.approx(0.82, abs=0.02) and drafting == pytest.approx(2.1, rel=0.1)
+    assert ks[-50:].count(3) >= 40
+    for k in range(5):  # K=1 never ran
+        assert policy.itl(1, k) == pytest.approx(true[k], rel=0.03)
+    # (K=5's cell learnt 8% from the first steps, before the parts had; it is not run again)
+    cells = policy.snapshot()["live_cells"]["1"]
+    assert (
+        all(abs(cells[str(k)][0] - 1) < 0.05 for k in (0, 2, 3)) and max(r for r, _ in cells.values()) < 1.1
+    )
+    # one drift: the cells must carry what it misses, each only once it has been run
+    _, uniform = run(one_drift=True)
+    assert max(ratio for ratio, _ in uniform.snapshot()["live_cells"]["1"].values()) > 1.08
+
+
+def test_a_drafter_s_passes_drift_with_plain_steps_not_with_verified_rows():
+    """A small drafter's passes stream its weights as a plain step streams the target's, so they
+    move with the plain steps' drift, while the rows drafts add to the target's pass do not. Steps
+    at one request (its drafter passes most of what drafts add there) must then price four
+    requests (where the verified rows are) right: one drift for all that drafting adds, learnt at
+    one request, put ITL(4, 3) 16% low."""
+    target, drafter = [20.0, 3.0, 3.0], [5.5, 1.0, 0.75]  # ms: a + b * tokens; d + e * rows (zen5's pair)
+    alpha = [0.9, 0.8, 0.7, 0.6, 0.5]
+
+    def step(bs: int, k: int, plain: float = 1.0, verifying: float = 1.0) -> tuple[float, float]:
+        """(the target's pass, one drafter pass) of a step of bs rows drafting K, in ms."""
+        rows_part, verify_part = target[1] * bs, target[1] * bs * k
+        return plain * (target[0] + rows_part) + verifying * verify_part, plain * (
+            drafter[0] + bs * drafter[1]
+        )
+
+    def wall(bs: int, k: int, **drift: float) -> float:
+        target_ms, pass_ms = step(bs, k, **drift)
+        return target_ms + k * pass_ms
+
+    grid = {bs: {k: wall(bs, k) for k in range(6)} for bs in (1, 4)}
+    true = {"plain": 0.82, "verifying": 2.1}
+
+    def run(split: bool) -> GoodputK:
+        profile = Profile(5, alpha, grid, cost_model={"target_ms": target, "draft_pass_ms": drafter})
+        policy = GoodputK(profile, 5, hysteresis_steps=1)
+        if not split:  # what drafting adds, drafter passes and verified rows, all one part
+            cells = policy.cells
+            read, observe_step = cells.read, cells.observe_step
+            cells.read = lambda plain, step_ms, drafter=0.0: read(plain, step_ms)
+            cells.observe_step = lambda wall, step_ms, plain=None, drafter=0.0: observe_step(
+                wall, step_ms, plain
+            )
+        given = [alpha[0]] + [b / a for a, b in itertools.pairwise(alpha)]
+        owed, ks = [0.5] * 5, []
+        for n in range(200):
+            left = 1 if n % 3 == 0 else 1 << 20  # now and then a request with one token left: K=0
+            k, _ = policy.choose([DraftCandidate(1, left, request_id="r")])
+            accepted = 0
+            while accepted < k:
+                owed[accepted] += given[accepted]
+                if owed[accepted] < 1:
+                    break
+                owed[accepted] -= 1
+                accepted += 1
+            target_ms, pass_ms = step(1, k, **true)
+            timing = StepTiming(
+                1 + k, 0, target_ms, [(1, 0, pass_ms)] * k, 1, step_ms=target_ms + k * pass_ms
+            )
+            policy.observe(step_record([k], [accepted], timing))
+            ks += [k] if left > 1 else []
+        assert min(ks[-50:]) >= 1  # it drafts
+        return policy
+
+    policy = run(split=True)
+    plain, verifying = policy.snapshot()["grid_drift_parts"]
+    assert plain == pytest.approx(0.82, abs=0.02) and verifying == pytest.approx(2.1, rel=0.1)
+    for k in range(6):
+        assert policy.itl(4, k) == pytest.approx(wall(4, k, **true), rel=0.03)
+    assert run(split=False).itl(4, 3) < 0.9 * wall(4, 3, **true)
