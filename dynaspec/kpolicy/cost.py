@@ -217,8 +217,9 @@ class CellCorrection:
     choose is seen only when it explores it (``GoodputK``: a neighbouring K close in goodput,
     now and then)."""
 
-    def __init__(self, grid: dict[int, dict[int, float]]) -> None:
+    def __init__(self, grid: dict[int, dict[int, float]], split: bool = True) -> None:
         self.base = grid
+        self.split = split  # False: one drift for the whole step (``parts`` both the drift)
         self.grid = {bs: dict(row) for bs, row in grid.items()}
         self.max_k = max((k for row in grid.values() for k in row), default=0)
         # whole steps' wall time / the grid's: a whole step is a fair measure, so its prior fades
@@ -262,6 +263,8 @@ class CellCorrection:
     def parts(self) -> tuple[float, float]:
         """The drift's two parts: (plain steps and drafter passes, what verified drafts add), each
         live / profiled."""
+        if not self.split:
+            return (self.drift() or 1.0,) * 2
         plain = self.plain.value if self.plain.weight >= 1.0 else self.drift() or 1.0
         return plain, self.verifying.value
 

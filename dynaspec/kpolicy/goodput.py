@@ -203,6 +203,7 @@ class GoodputK:
         explore_every: int = EXPLORE_EVERY,
         live_cells: bool = True,
         price_matches: bool = True,
+        split_drift: bool = True,
         **estimate_kwargs,
     ) -> None:
         self.profile = profile
@@ -247,7 +248,7 @@ class GoodputK:
         self._kept: tuple[tuple, list[int], int] | None = None  # (load, drafts, steps kept)
         self._step_ms = 0.0  # the last step's passes (target and drafter)
         # the grid's cells as live steps of each found them (``itl`` reads this grid)
-        self.cells = CellCorrection(self.itl_grid)
+        self.cells = CellCorrection(self.itl_grid, split=split_drift)
         self.live_cells = live_cells  # False: the grid read through the cost model's drift alone
         self.explore_every = explore_every if live_cells else 0  # 0: never run a step only to time a cell
         self.num_explored = 0  # steps run at a neighbouring K to time its cell
