@@ -52,8 +52,7 @@ def add_parser(sub) -> None:
         "per-request (a K per request: what an engine with a profile uses), ctx-blind (per-request "
         "without the profile's context axis), cells-off (per-request without live grid cells), "
         "stops-off (per-request without confidence stops), matches-off (per-request pricing an "
-        "n-gram's rows by acceptance, not their matches), drift-one (per-request with one drift for "
-        "the grid)",
+        "n-gram's rows by acceptance, not their matches)",
     )
     p.add_argument("--dataset", default="mtbench")
     p.add_argument("--num-prompts", type=int, default=64)

@@ -45,9 +45,6 @@ if TYPE_CHECKING:
 TARGET_FEATURES = ("step", "verify_tokens", "prefill_tokens")
 DRAFT_FEATURES = ("pass", "rows", "extra_tokens")
 MAX_DRIFT = 3.0
-# a drafting step teaches the drift of what its verified drafts add only where that is this share
-# of the step or more (less, and the rest's noise would read as theirs)
-DRAFTING_SHARE = 0.1
 
 
 class LiveScale:
@@ -190,20 +187,6 @@ class CellCorrection:
     grid said, and less so the more a step drafted (the drafter's model fitted better), which
     tilted the choice towards deeper drafts (issue 37, the results diary).
 
-    The drift has two parts (``parts``): ``plain``, what a plain step takes against the grid's
-    plain cell (from steps that draft nothing), which also prices a draft model's passes; and
-    ``verifying``, what the verified drafts add against what the grid says they add (from the steps
-    that draft, less their plain part and drafter passes at the plain drift). A CPU step over a few
-    rows streams the weights and moves with the memory's rate, as a small drafter's pass does; the
-    rows a draft adds to the target's pass are arithmetic and do not. On zen5 the n-gram's plain
-    steps at one request ran 0.82 of their cell an hour after profiling while K=5's steps added
-    2.1 times the grid's 5.8 ms: one drift read from the many plain steps priced every draft 18%
-    cheap, and the policy drafted deep where K=2 was faster (issue 37). A split into plain steps and
-    all that drafting adds fixed the n-gram but cost the pair 4-10%: its drafter's passes, most of
-    what its drafts add, moved with the plain steps, not with the verified rows. ``verifying``
-    starts at the grid's own figure (1); where no step drafts nothing, ``plain`` is the whole
-    drift.
-
     One drift moves every cell alike, so the grid's cells keep their relative errors: a quick
     profile times a batch-1 cell in a few steps, and on a shared CPU such a cell can be 10-15%
     off. On zen5 an auto profile put ITL(1, 1) at 35.0 ms where fixed K=1 steps in the next
@@ -217,17 +200,13 @@ class CellCorrection:
     choose is seen only when it explores it (``GoodputK``: a neighbouring K close in goodput,
     now and then)."""
 
-    def __init__(self, grid: dict[int, dict[int, float]], split: bool = True) -> None:
+    def __init__(self, grid: dict[int, dict[int, float]]) -> None:
         self.base = grid
-        self.split = split  # False: one drift for the whole step (``parts`` both the drift)
         self.grid = {bs: dict(row) for bs, row in grid.items()}
         self.max_k = max((k for row in grid.values() for k in row), default=0)
         # whole steps' wall time / the grid's: a whole step is a fair measure, so its prior fades
         # within a few steps (8 steps: 80% live)
         self.scale = LiveScale(prior_weight=2.0)
-        self.plain = LiveScale(prior_weight=2.0)  # plain steps / the grid's plain cells
-        # what verified drafts added / what the grid says they add
-        self.verifying = LiveScale(prior_weight=2.0)
         self.ratios: dict[tuple[int, int], LiveScale] = {}
         self.steps = 0  # steps observed, cells or not
         self.last_seen: dict[tuple[int, int], int] = {}  # cell -> the step that last timed or tried it
@@ -260,39 +239,9 @@ class CellCorrection:
         """Live / profiled time of a whole step (None until a step has been timed)."""
         return self.scale.value if self.scale.weight >= 1.0 else None
 
-    def parts(self) -> tuple[float, float]:
-        """The drift's two parts: (plain steps and drafter passes, what verified drafts add), each
-        live / profiled."""
-        if not self.split:
-            return (self.drift() or 1.0,) * 2
-        plain = self.plain.value if self.plain.weight >= 1.0 else self.drift() or 1.0
-        return plain, self.verifying.value
-
-    def read(self, plain_ms: float, step_ms: float, drafter_ms: float = 0.0) -> float:
-        """A step the grid puts at ``step_ms``, ``plain_ms`` of it the plain step and ``drafter_ms``
-        its drafter's passes, as live steps find it: each part times its drift."""
-        plain, verifying = self.parts()
-        drafter_ms = min(max(0.0, drafter_ms), max(0.0, step_ms - plain_ms))
-        return plain * (plain_ms + drafter_ms) + verifying * (step_ms - plain_ms - drafter_ms)
-
-    def observe_step(
-        self, observed_ms: float, predicted_ms: float, plain_ms: float | None = None, drafter_ms: float = 0.0
-    ) -> None:
-        """A whole decode step against the (uncorrected) grid's figure for it, of which
-        ``plain_ms`` is the plain step's (None: not known) and ``drafter_ms`` the drafter's passes.
-        A plain step teaches the plain drift; a drafting step, where its verified drafts are at
-        least ``DRAFTING_SHARE`` of it, what they add beyond the rest at the plain drift."""
+    def observe_step(self, observed_ms: float, predicted_ms: float) -> None:
+        """A whole decode step against the (uncorrected) grid's figure for it."""
         self.scale.observe(observed_ms, predicted_ms)
-        if plain_ms is None or not _positive(plain_ms):
-            return
-        if predicted_ms - plain_ms <= 0.0:
-            self.plain.observe(observed_ms, plain_ms)
-            return
-        rest = plain_ms + min(max(0.0, drafter_ms), predicted_ms - plain_ms)
-        added = predicted_ms - rest
-        if added >= DRAFTING_SHARE * predicted_ms:
-            plain, _ = self.parts()
-            self.verifying.observe(max(observed_ms - plain * rest, added / MAX_DRIFT), added)
 
     def observe(self, cell: tuple[int, int], observed_ms: float, predicted_ms: float) -> None:
         """One step of ``cell``: ``predicted_ms`` is the uncorrected cell at the step's context,

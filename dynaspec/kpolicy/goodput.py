@@ -203,7 +203,6 @@ class GoodputK:
         explore_every: int = EXPLORE_EVERY,
         live_cells: bool = True,
         price_matches: bool = True,
-        split_drift: bool = True,
         **estimate_kwargs,
     ) -> None:
         self.profile = profile
@@ -248,35 +247,27 @@ class GoodputK:
         self._kept: tuple[tuple, list[int], int] | None = None  # (load, drafts, steps kept)
         self._step_ms = 0.0  # the last step's passes (target and drafter)
         # the grid's cells as live steps of each found them (``itl`` reads this grid)
-        self.cells = CellCorrection(self.itl_grid, split=split_drift)
+        self.cells = CellCorrection(self.itl_grid)
         self.live_cells = live_cells  # False: the grid read through the cost model's drift alone
         self.explore_every = explore_every if live_cells else 0  # 0: never run a step only to time a cell
         self.num_explored = 0  # steps run at a neighbouring K to time its cell
         self._choice_ms = 0.0  # the host time of the last choice (a step's time less it is a cell's)
-        # a drafter has run: its passes are priced apart from the verified rows in the grid's drift
-        self._drafter = False
         # per request, a proposer whose only drafts are its matches (the n-gram) has each row priced
         # by its own match (``_match_drafts``); False: by the request's acceptance, as a drafter's
         self.price_matches = price_matches
         self._matches_only = False  # the last choice priced rows by their matches
 
     def itl(self, batch_size: int, k: int) -> float | None:
-        """ITL(bs, K) in ms over the load's mean context (``self.context``): the profile's grid
-        moved along its context axis, its plain step with the drafter's passes (at the profile's
-        price, once a drafter has run) and what its verified drafts add each times its part of the
-        grid's drift (``CellCorrection.read``), times the live cells' corrections; until a
-        whole step has been timed, and always without live cells, the grid times the cost model's
-        drift; the cost model's alone off the grid."""
-        base = interpolate_itl(self.cells.base, batch_size, k)
+        """ITL(bs, K) in ms over the load's mean context (``self.context``): the profile's grid with
+        its live cells' corrections, moved along its context axis, times the grid's drift (the cost
+        model's until a whole step has been timed, and always without live cells); the cost
+        model's alone off the grid."""
+        base = interpolate_itl(self.cells.grid, batch_size, k)
         if base is None:
             model = self._at_context(self.costs.itl(batch_size, k), batch_size, k)
             return model if model > 0 else None
-        corrected = interpolate_itl(self.cells.grid, batch_size, k)
-        if not (self.live_cells and self.cells.drift() is not None):
-            return self._at_context(corrected, batch_size, k) * self.costs.drift(batch_size, k)
-        plain = self._at_context(interpolate_itl(self.cells.base, batch_size, 0), batch_size, 0)
-        drafter = k * self.costs.draft_pass_ms(batch_size, prior=True) if self._drafter else 0.0
-        return self.cells.read(plain, self._at_context(base, batch_size, k), drafter) * corrected / base
+        drift = self.cells.drift() if self.live_cells else None
+        return self._at_context(base, batch_size, k) * (drift or self.costs.drift(batch_size, k))
 
     def _at_context(self, ms: float, batch_size: int, k: int) -> float:
         if self.context_cost is None or ms <= 0:
@@ -599,30 +590,26 @@ class GoodputK:
         grid's drift, and one that was one cell of the grid teaches that cell (``CellCorrection``):
         its wall time less the policy's own choice, against the grid read at the step's rows, mean
         drafts and context, plus drafter passes beyond those drafts (a confidence stop's, or a
-        ragged K's) at the profile's price; a cell against its figure read by the drift's two parts
-        as they were before this step (``CellCorrection.read``)."""
+        ragged K's) at the profile's price; a cell against its figure times the drift as it was
+        before this step."""
         cells, timing = self.cells, record.timing
         cells.steps += 1
         if not (self.live_cells and cells.whole(timing)) or any(record.plan.free_rows):
             return
         rows = timing.decode_rows
         k = (timing.verify_tokens - rows) / rows
-        predicted, plain = interpolate_itl(cells.base, rows, k), interpolate_itl(cells.base, rows, 0)
-        if predicted is None or plain is None:
+        predicted = interpolate_itl(cells.base, rows, k)
+        if predicted is None:
             return
         context = timing.context_tokens / rows if timing.context_tokens else None
         if self.context_cost is not None:
             predicted = self.context_cost.itl(predicted, rows, context, k)
-            plain = self.context_cost.itl(plain, rows, context, 0)
-        pass_ms = self.costs.draft_pass_ms(rows, prior=True)
-        predicted += max(0.0, len(timing.draft_passes) - k) * pass_ms
-        drafter = len(timing.draft_passes) * pass_ms
-        self._drafter = self._drafter or bool(timing.draft_passes)
+        predicted += max(0.0, len(timing.draft_passes) - k) * self.costs.draft_pass_ms(rows, prior=True)
         wall = timing.step_ms - self._choice_ms
         cell = cells.cell_of(timing, record.result.draft_lens)
         if cell is not None:
-            cells.observe(cell, wall, cells.read(plain, predicted, drafter))
-        cells.observe_step(wall, predicted, plain, drafter)
+            cells.observe(cell, wall, predicted * cells.scale.value)
+        cells.observe_step(wall, predicted)
 
     def snapshot(self) -> dict:
         return {
@@ -637,9 +624,6 @@ class GoodputK:
             "explored": self.num_explored,
             "live_cells": self.cells.snapshot(),
             "grid_drift": None if self.cells.drift() is None else round(self.cells.drift(), 4),
-            # the drift's two parts: plain steps and drafter passes, and what verified drafts add
-            # (``CellCorrection.parts``)
-            "grid_drift_parts": [round(x, 4) for x in self.cells.parts()],
             "min_draft_confidence": round(self.min_draft_confidence(), 3),
             "acceptance_by_confidence": self.calibration.snapshot()[0],
             "match_acceptance_by_frequency": self.match_calibration.snapshot(),

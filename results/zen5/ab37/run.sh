@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Issue 37, at commit fc08373 (drift-one left with the revert that followed): the split drift
+# (per-request, 4c3024c) against one drift for the grid (drift-one) side by
+# side in each sweep: the pair on code and chat, then the n-gram; 4 rounds, 4 x C prompts, the auto
+# profiles cached on this machine.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+out=bench-results/zen5/ab37
+mkdir -p "$out"
+for run in "pair humaneval" "pair mtbench" "ngram mtbench" "ngram humaneval"; do
+    set -- $run
+    EXTRA_CONFIGS=drift-one ROUNDS=4 PROMPTS_PER_C=4 bash benchmarks/auto_sweep.sh "$1" "$2" \
+        "$out/sweep_$1_$2" > "$out/sweep_$1_$2.log" 2>&1
+done

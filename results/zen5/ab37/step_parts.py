@@ -1,0 +1,69 @@
+"""Issue 37: the host time of an engine step's parts (scheduler, proposer, target pass, the policy's
+``observe``) with the n-gram at one MT-Bench request, fixed K=0 against the per-request policy
+(4 prompts, 128 tokens, 2 rounds), in ms a step.
+
+    .venv/bin/python results/zen5/ab37/step_parts.py ~/.cache/dynaspec/profiles/<ngram profile>.json
+"""
+
+import sys
+import time
+
+from dynaspec.bench.common import k_policies
+from dynaspec.bench.sweep import closed_loop
+from dynaspec.datasets import load_prompts
+from dynaspec.engine.engine import Engine, EngineConfig
+from dynaspec.kpolicy.profile import load_profile
+from dynaspec.sampling_params import SamplingParams
+
+
+def timed(obj, attr: str, key: str, spent: dict[str, float]) -> None:
+    call = getattr(obj, attr)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = call(*args, **kwargs)
+        spent[key] = spent.get(key, 0.0) + time.perf_counter() - start
+        return out
+
+    setattr(obj, attr, wrapper)
+
+
+def main() -> None:
+    spec = '{"method":"ngram","num_speculative_tokens":5}'
+    engine = Engine(EngineConfig(model="qwen2.5-coder-1.5b-instruct", speculative_config=spec))
+    makers = k_policies([0], load_profile(sys.argv[1]), 5, 3)
+    prompts = load_prompts("mtbench", chat=True)[:4]
+    spent: dict[str, float] = {}
+    for obj, attr in [
+        (engine.scheduler, "schedule"),
+        (engine.proposer, "propose"),
+        (engine.proposer, "commit"),
+        (engine, "_observe"),
+        (engine.runner, "forward"),
+        (engine.scheduler, "update"),
+    ]:
+        timed(obj, attr, attr.strip("_"), spent)
+    for rnd in range(2):
+        for name in ("K=0", "per-request"):
+            engine.set_k_policy(makers[name]())
+            spent.clear()
+            before = engine.counters.num_steps
+            wall, requests, _ = closed_loop(
+                engine, prompts, 1, SamplingParams(max_tokens=128, temperature=0.0)
+            )
+            steps = engine.counters.num_steps - before
+            tokens = sum(len(r.output_token_ids) for r in requests)
+            parts = {k: round(1000 * v / steps, 3) for k, v in spent.items()}
+            print(
+                rnd,
+                name,
+                f"{tokens / wall:.1f} tok/s",
+                steps,
+                "steps",
+                parts,
+                f"wall/step {1000 * wall / steps:.2f}",
+            )
+
+
+if __name__ == "__main__":
+    main()
