@@ -1,8 +1,8 @@
-"""Issue 37: the host time of an engine step's parts (scheduler, proposer, target pass, the policy's
-``observe``) with the n-gram at one MT-Bench request, fixed K=0 against the per-request policy
-(4 prompts, 128 tokens, 2 rounds), in ms a step.
+"""Issue 37: the host time of an engine step's parts (scheduler, the policy's ``choose`` within it,
+proposer, target pass, the policy's ``observe``) with the n-gram at one MT-Bench request, fixed K=0
+against the per-request policy (4 prompts, 128 tokens, 2 rounds), in ms a step.
 
-    .venv/bin/python results/zen5/ab37/step_parts.py ~/.cache/dynaspec/profiles/<ngram profile>.json
+    .venv/bin/python results/zen5/ab37/host_time.py ~/.cache/dynaspec/profiles/<ngram profile>.json
 """
 
 import sys
@@ -45,7 +45,9 @@ def main() -> None:
         timed(obj, attr, attr.strip("_"), spent)
     for rnd in range(2):
         for name in ("K=0", "per-request"):
-            engine.set_k_policy(makers[name]())
+            policy = makers[name]()
+            timed(policy, "choose", "choose", spent)
+            engine.set_k_policy(policy)
             spent.clear()
             before = engine.counters.num_steps
             wall, requests, _ = closed_loop(
