@@ -94,8 +94,8 @@ def add_parser(sub) -> None:
         action="store_true",
         help="prefill every prompt once on each engine before the clock starts and keep them in the "
         "prefix cache, so the runs time decoding (long prompts whose prefill would otherwise dominate); "
-        "every concurrency then runs the first of the same prompts; needs prefix caching, so not with a "
-        "draft model or EAGLE head",
+        "every concurrency then runs the first of the same prompts; needs prefix caching, so not with an "
+        "EAGLE head (a draft model still reads each prompt it drafts for: its window's worth)",
     )
     p.add_argument(
         "--warm-policies",

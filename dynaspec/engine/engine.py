@@ -20,7 +20,7 @@ from dynaspec.engine.runner import ModelRunner
 from dynaspec.engine.sampler import SamplingTensors, score_prompts
 from dynaspec.engine.scheduler import Scheduler
 from dynaspec.engine.static_pass import StepClock
-from dynaspec.engine.types import KPolicy, StepRecord, StepTiming
+from dynaspec.engine.types import KPolicy, SchedulePlan, StepRecord, StepTiming
 from dynaspec.kpolicy.config import SpeculativeConfig
 from dynaspec.kpolicy.policy import FixedK, make_policy
 from dynaspec.models import fused_ops
@@ -197,13 +197,13 @@ class Engine:
 
     def _prefix_caching(self, spec: SpeculativeConfig | None) -> bool:
         wanted = self.config.enable_prefix_caching
-        if self.proposer.kv_bytes_per_token() == 0:
+        if self.proposer.shares_cached_blocks():
             return wanted is not False
         if wanted:
             raise ValueError(
                 f"enable_prefix_caching: not with speculative_config.method {spec.method!r}: its "
                 "drafter keeps K/V in the requests' block tables, which shared blocks would mix up "
-                "(use ngram or suffix drafts, or leave prefix caching off)"
+                "(use draft_model, ngram or suffix drafts, or leave prefix caching off)"
             )
         return False
 
@@ -257,7 +257,7 @@ class Engine:
     def _reset_counters(self) -> None:
         """Statistics, request ids and seeds start afresh (after the engine's own profiling)."""
         self.counters = EngineCounters()
-        self.allocator.num_evicted = 0
+        self.allocator.num_evicted = self.allocator.num_unshared = 0
         self._seeds = random.Random(self.config.seed)
         self._ids = itertools.count()
 
@@ -377,6 +377,8 @@ class Engine:
             return []
         # temperature, top-k/p, penalties, seeds and logprobs wanted per row
         sampling = SamplingTensors.of(plan.sampled, self.model_config.vocab_size, self.device)
+        if self.allocator.num_shared:
+            self._unshare_drafted_blocks(plan)
         drafts = self.proposer.propose(plan, sampling)  # up to k_caps[i] draft tokens per decode
         start = self._clock.mark()
         logits = self.runner.forward(plan, drafts)  # one target pass: last tokens + drafts + prefills
@@ -392,6 +394,30 @@ class Engine:
         timing.step_ms = (time.perf_counter() - began) * 1000  # the whole step, as the profile's cells
         self._observe(StepRecord(plan, result, timing, result.draft_confidence, paid))
         return outputs
+
+    def _unshare_drafted_blocks(self, plan: SchedulePlan) -> None:
+        """Give each drafting request copies of the shared blocks its drafter will write into
+        (``Proposer.kv_write_start``): a drafter's K/V sits at indices of its own (its window
+        shifts them), so a prefix-cached block's drafter K/V is its first holder's. A request left
+        without a free block for a copy drafts nothing this step."""
+        bs, allocator = self.config.block_size, self.allocator
+        copies: list[tuple[int, int]] = []
+        for i, r in enumerate(plan.decodes):
+            start = self.proposer.kv_write_start(r) if plan.k_caps[i] else None
+            if start is None:
+                continue
+            blocks = r.block_ids
+            for j in range(start // bs, len(blocks)):
+                if allocator.is_shared(blocks[j]):
+                    copy = allocator.unshare(blocks[j])
+                    if copy is None:
+                        plan.k_caps[i] = 0
+                        break
+                    copies.append((blocks[j], copy))
+                    blocks[j] = copy
+        if copies:
+            self.runner.copy_blocks(copies)
+            self.proposer.copy_kv_blocks(copies)
 
     def _observe(self, record: StepRecord) -> None:
         c = self.counters
@@ -416,6 +442,7 @@ class Engine:
             "hit_rate": round(c.num_cached_prompt_tokens / max(1, c.num_prompt_tokens), 4),
             "cached_blocks": a.num_cached_blocks,
             "evicted_blocks": a.num_evicted,
+            "unshared_blocks": a.num_unshared,  # copies a drafter took before writing its K/V
         }
 
     def stats(self) -> dict:

@@ -5,7 +5,9 @@ Every model (target and draft) keeps one flat K and one flat V tensor per layer 
 addresses its K/V in every model's cache. Tokens past ``num_computed_tokens`` (e.g. rejected
 drafts) are simply overwritten later: discarding them costs nothing. With prefix caching, full
 blocks are also kept by content and shared between requests whose tokens start alike; a request
-only ever writes past its computed tokens, so a shared (full, computed) block is never written.
+only ever writes past its computed tokens, so the target never writes a shared (full, computed)
+block. A drafter keeps its own K/V at indices of its own (``draft_context_window`` shifts them), so
+before it writes into a block other requests share, the request takes a copy of it (``unshare``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class BlockAllocator:
         self.prefix_caching = prefix_caching
         self._free = list(range(num_blocks - 1, -1, -1))  # no request holds them, nothing cached
         self._refs = [0] * num_blocks
+        self.num_shared = 0  # blocks more than one request holds
+        self.num_unshared = 0  # copies taken of shared blocks (``unshare``)
         self._key_of: dict[int, bytes] = {}  # registered block -> its content key
         self._block_of: dict[bytes, int] = {}  # content key -> block
         # registered blocks no request holds, the least recently released first
@@ -88,13 +92,32 @@ class BlockAllocator:
     def free(self, block_ids: list[int]) -> None:
         """Release a request's hold on its blocks (a shared block stays with its other holders)."""
         for block in reversed(block_ids):  # the last blocks first: they are evicted first
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                if block in self._key_of:
-                    self._idle[block] = None
-                else:
-                    self._free.append(block)
+            self._drop(block)
         block_ids.clear()
+
+    def _drop(self, block: int) -> None:
+        """One holder of ``block`` lets it go."""
+        self._refs[block] -= 1
+        if self._refs[block] == 1:
+            self.num_shared -= 1
+        elif self._refs[block] == 0:
+            if block in self._key_of:
+                self._idle[block] = None
+            else:
+                self._free.append(block)
+
+    def is_shared(self, block: int) -> bool:
+        return self._refs[block] > 1
+
+    def unshare(self, block: int) -> int | None:
+        """A fresh block to stand for ``block``, which other requests share, in one holder's table:
+        that holder's hold on ``block`` is dropped and it copies the K/V over; None (nothing
+        changed) when no block is free."""
+        if not self.num_free:
+            return None
+        self._drop(block)
+        self.num_unshared += 1
+        return self._take()
 
     def cached_prefix(self, keys: list[bytes]) -> int:
         """How many of ``keys`` (a prompt's leading full blocks, in order) are cached."""
@@ -113,6 +136,8 @@ class BlockAllocator:
             block = self._block_of[key]
             if self._refs[block] == 0:
                 del self._idle[block]
+            elif self._refs[block] == 1:
+                self.num_shared += 1
             self._refs[block] += 1
             blocks.append(block)
         return blocks

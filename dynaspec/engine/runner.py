@@ -155,6 +155,15 @@ class ModelRunner:
         picked = states.index_select(0, rows)
         return picked if hidden else self.model.compute_logits(picked)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's K/V in every layer (a shared block unshared)."""
+        bs = self.block_size
+        src = torch.tensor([s * bs + o for s, _ in pairs for o in range(bs)], device=self.device)
+        dst = torch.tensor([d * bs + o for _, d in pairs for o in range(bs)], device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
     def run_capture(
         self, runs: list[TokenRun], layer_ids: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [logit rows, vocab] float32, [tokens, len(layer_ids) * hidden]

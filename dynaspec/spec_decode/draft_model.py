@@ -170,6 +170,16 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(self.model, num_slots, self.ctx.block_size, self.kv_dtype, self.ctx.device)
         self.runner.window = self._window
 
+    def shares_cached_blocks(self) -> bool:
+        return True  # it writes its K/V at and past what it has read: kv_write_start
+
+    def kv_write_start(self, request) -> int | None:
+        rid = request.request_id
+        return self.num_computed.get(rid, 0) - self.shift.get(rid, 0)
+
+    def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.runner.copy_blocks(pairs)
+
     def enable_static(self, max_num_seqs: int, max_k: int, max_model_len: int) -> None:
         self.static = StaticChain(self.runner, max_num_seqs, max_k, max_model_len)
         self.clock = StepClock(self.ctx.device)

@@ -141,6 +141,15 @@ class HybridProposer(Proposer):
     def allocate_kv(self, num_slots: int) -> None:
         self.model.allocate_kv(num_slots)
 
+    def shares_cached_blocks(self) -> bool:
+        return self.model.shares_cached_blocks()
+
+    def kv_write_start(self, request: Request) -> int | None:
+        return self.model.kv_write_start(request)
+
+    def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.model.copy_kv_blocks(pairs)
+
     def unseen_tokens(self, request: Request) -> int:
         return self.model.unseen_tokens(request)
 

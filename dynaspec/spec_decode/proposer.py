@@ -60,6 +60,20 @@ class Proposer:
     def allocate_kv(self, num_slots: int) -> None:
         """Create KV storage addressed by the same slots as the target's."""
 
+    def shares_cached_blocks(self) -> bool:
+        """Whether prefix caching may share blocks between requests it drafts for: always where it
+        keeps no K/V; where it does, only if it says where it writes (``kv_write_start``)."""
+        return self.kv_bytes_per_token() == 0
+
+    def kv_write_start(self, request: Request) -> int | None:
+        """The first index of ``request``'s blocks its own K/V is written at if it drafts for it
+        this step (it writes only at and past it); None where it keeps none. The engine first
+        gives the request copies of the blocks from there on that other requests share."""
+        return None
+
+    def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy its K/V of each (source, destination) block, as the target's (a block unshared)."""
+
     def enable_static(self, max_num_seqs: int, max_k: int, max_model_len: int) -> None:
         """Draft on fixed shapes from now on, where the proposer has such a path (a CUDA graph)."""
 

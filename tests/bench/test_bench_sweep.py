@@ -2,6 +2,8 @@
 
 import json
 
+from support.eagle import target_config, write_head
+
 from dynaspec.cli import main
 from dynaspec.kpolicy.profile import Profile, derive_table, save_profile
 
@@ -219,10 +221,11 @@ def test_warm_prompts_time_runs_on_cached_prompts_and_need_prefix_caching(tmp_pa
     for stats_ in report["prefix_cache"].values():  # every run found its prompts cached
         assert stats_["enabled"] and stats_["hit_rate"] > 0.5
     draft = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 1}
-    assert sweep(draft) == 2
-    assert (
-        "enable_prefix_caching: not with speculative_config.method 'draft_model'" in capsys.readouterr().err
-    )
+    assert sweep(draft) == 0
+    assert all(s["hit_rate"] > 0.5 for s in json.loads(result.read_text())["prefix_cache"].values())
+    head = write_head(tmp_path / "head", "eagle3", target_config(target_dir))
+    assert sweep({"method": "eagle3", "model": str(head), "num_speculative_tokens": 1}) == 2
+    assert "enable_prefix_caching: not with speculative_config.method 'eagle3'" in capsys.readouterr().err
 
 
 def test_warm_policies_carry_one_policy_per_config_from_run_to_run(tmp_path, target_dir):

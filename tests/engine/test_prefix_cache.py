@@ -6,6 +6,7 @@ them: every output, sampled ones included, must equal the engine's without the c
 import dataclasses
 
 import pytest
+from support.eagle import target_config, write_head
 from support.engine import GREEDY, PROMPTS, make_engine, run_staggered
 from support.tiny import DEFAULT_GGUF_TYPES, make_tiny_gguf
 
@@ -169,11 +170,49 @@ def test_model_free_drafts_with_cached_prefixes_equal_plain_decoding(target_dir,
     assert engine.stats()["prefix_cache"]["cached_prompt_tokens"] > 0
 
 
-def test_a_drafter_with_its_own_kv_leaves_prefix_caching_off_and_refuses_it(target_dir, draft_dir):
-    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}
+@pytest.mark.parametrize("window", [12, 0])
+def test_a_draft_model_with_cached_prefixes_equals_plain_and_drafts_as_without(target_dir, window):
+    """The drafter writes its K/V at indices of its own (a window of 12 shifts them inside the
+    shared prompt blocks), so each request copies a shared block before its drafter writes there:
+    every step's drafts are the ones made without the cache, and the output is plain decoding's."""
+    plain = make_engine(target_dir, block_size=4, enable_prefix_caching=False)
+    want = run_staggered(plain, SHARED + SHARED, arrive_every=2)
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3}
+    spec |= {"draft_quantization": "none", "draft_context_window": window}
+    drafts, cache = {}, {}
+    for caching in (False, True):
+        engine = make_engine(target_dir, block_size=4, speculative_config=spec, enable_prefix_caching=caching)
+        assert engine.prefix_caching == caching
+        drafts[caching] = record_drafts(engine.proposer)
+        assert run_staggered(engine, SHARED + SHARED, arrive_every=2) == want
+        cache[caching] = engine.stats()["prefix_cache"]
+    assert drafts[True] == drafts[False] and len(drafts[True]) > 20
+    assert cache[True]["cached_prompt_tokens"] > 0 and cache[True]["unshared_blocks"] > 0
+    assert engine.allocator.num_shared == 0 and engine.allocator.usage == 0.0
+
+
+def record_drafts(proposer) -> list:
+    """Each step's draft tokens, as ``proposer.propose`` returns them (appended as it runs)."""
+    steps, propose = [], proposer.propose
+
+    def recorded(plan, sampling):
+        drafts = propose(plan, sampling)
+        rows = drafts.token_ids.tolist()
+        steps.append([(r.request_id, row[:n]) for r, row, n in zip(plan.decodes, rows, drafts.draft_lens)])
+        return drafts
+
+    proposer.propose = recorded
+    return steps
+
+
+def test_an_eagle_head_leaves_prefix_caching_off_and_refuses_it(target_dir, tmp_path):
+    """An EAGLE head reads the target's hidden states of every position, which a cached prefix
+    skips computing."""
+    head = write_head(tmp_path / "head", "eagle3", target_config(target_dir))
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
     assert not make_engine(target_dir, speculative_config=spec).prefix_caching
     with pytest.raises(
-        ValueError, match="enable_prefix_caching: not with speculative_config.method 'draft_model'"
+        ValueError, match="enable_prefix_caching: not with speculative_config.method 'eagle3'"
     ):
         make_engine(target_dir, speculative_config=spec, enable_prefix_caching=True)
 
