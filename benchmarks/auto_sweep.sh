@@ -7,8 +7,8 @@
 #   drafter: pair (the 0.5B draft model, num_speculative_tokens 5) or ngram (prompt lookup, K up to 5)
 #   dataset: humaneval, mtbench, or longedit (issue 40's long contexts: each prompt >= 2,000 tokens, an
 #            edit after a module of code; ctx-blind, per-request without the profile's context axis,
-#            runs beside per-request; with ngram the prompts are prefilled before the clock and kept
-#            in the prefix cache, --warm-prompts, so the runs time decoding)
+#            runs beside per-request; the prompts are prefilled before the clock and kept in the
+#            prefix cache, --warm-prompts, so the runs time decoding)
 # Measured on xeon (results/xeon/auto37/: 10-13 minutes a dataset, plus about 4 to profile on first
 # use); the zen3 sweeps of the record ran the same with the profile's file (about 40 minutes a dataset).
 #   bash benchmarks/auto_sweep.sh pair|ngram humaneval|mtbench|longedit [result-stem]
@@ -34,10 +34,10 @@ case "$dataset" in
 humaneval | mtbench) ;;
 longedit)
     configs=$configs,ctx-blind
-    # each prompt's prefill (over 10 s on the xeon) would swamp the decoding the sweep compares: with a
-    # drafter that keeps no K/V of its own, every prompt is prefilled before the clock, kept in the
-    # prefix cache, and the runs time decoding
-    if [ "$drafter" = ngram ]; then extra=(--warm-prompts --kv-cache-memory-gb 4); fi
+    # each prompt's prefill (over 10 s on the xeon) would swamp the decoding the sweep compares: every
+    # prompt is prefilled before the clock, kept in the prefix cache, and the runs time decoding (a
+    # draft model still reads its window's worth of each prompt when it first drafts for it)
+    extra=(--warm-prompts --kv-cache-memory-gb 4)
     ;;
 *) echo "dataset: humaneval, mtbench or longedit, not $dataset" >&2 && exit 2 ;;
 esac

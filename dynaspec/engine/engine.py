@@ -64,8 +64,8 @@ class EngineConfig:
     # process-wide): greedy speculation equals plain decoding in bfloat16 too, at a cost on the GPU
     batch_invariant: bool = False
     # vLLM's flag: share the K/V of prompt blocks already computed (kv_cache.BlockAllocator). None:
-    # on unless the proposer keeps K/V of its own in the shared block tables (a draft model, an
-    # EAGLE head), whose shared blocks would hold one request's drafter K/V for another's
+    # on unless the proposer cannot share blocks (an EAGLE head needs the target's hidden states of
+    # every position; a draft model copies a shared block before it writes there)
     enable_prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:

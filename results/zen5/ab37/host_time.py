@@ -1,8 +1,10 @@
 """Issue 37: the host time of an engine step's parts (scheduler, the policy's ``choose`` within it,
-proposer, target pass, the policy's ``observe``) with the n-gram at one MT-Bench request, fixed K=0
-against the per-request policy (4 prompts, 128 tokens, 2 rounds), in ms a step.
+proposer, target pass, the policy's ``observe``), fixed K=0 against the per-request policy (128
+tokens, 2 rounds), in ms a step. By default the n-gram at one MT-Bench request (4 prompts); or a
+drafter (pair or ngram), a dataset and a concurrency (4 prompts a request in flight):
 
     .venv/bin/python results/zen5/ab37/host_time.py ~/.cache/dynaspec/profiles/<ngram profile>.json
+    .venv/bin/python results/zen5/ab37/host_time.py <pair profile>.json pair humaneval 8
 """
 
 import sys
@@ -28,11 +30,18 @@ def timed(obj, attr: str, key: str, spent: dict[str, float]) -> None:
     setattr(obj, attr, wrapper)
 
 
+SPECS = {
+    "ngram": '{"method":"ngram","num_speculative_tokens":5}',
+    "pair": '{"method":"draft_model","model":"qwen2.5-coder-0.5b-instruct","num_speculative_tokens":5}',
+}
+
+
 def main() -> None:
-    spec = '{"method":"ngram","num_speculative_tokens":5}'
-    engine = Engine(EngineConfig(model="qwen2.5-coder-1.5b-instruct", speculative_config=spec))
+    drafter, dataset, concurrency = (sys.argv[2:] + ["ngram", "mtbench", "1"][len(sys.argv) - 2 :])[:3]
+    concurrency = int(concurrency)
+    engine = Engine(EngineConfig(model="qwen2.5-coder-1.5b-instruct", speculative_config=SPECS[drafter]))
     makers = k_policies([0], load_profile(sys.argv[1]), 5, 3)
-    prompts = load_prompts("mtbench", chat=True)[:4]
+    prompts = load_prompts(dataset, chat=True)[: 4 * concurrency]
     spent: dict[str, float] = {}
     for obj, attr in [
         (engine.scheduler, "schedule"),
@@ -51,7 +60,7 @@ def main() -> None:
             spent.clear()
             before = engine.counters.num_steps
             wall, requests, _ = closed_loop(
-                engine, prompts, 1, SamplingParams(max_tokens=128, temperature=0.0)
+                engine, prompts, concurrency, SamplingParams(max_tokens=128, temperature=0.0)
             )
             steps = engine.counters.num_steps - before
             tokens = sum(len(r.output_token_ids) for r in requests)

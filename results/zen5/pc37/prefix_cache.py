@@ -1,7 +1,9 @@
 """Issue 37: the pair's engine with prefix caching on (a drafter copies a shared block before it
 writes its K/V there) against none with it, at eight HumanEval requests: none, the pair at fixed
-K=0 and per-request with the cache, and per-request without it (the engine before the copies);
-16 prompts (two waves of 8), 128 tokens, greedy, 3 interleaved rounds, each run from a cold cache.
+K=0, per-request and fixed K=2 with the cache, per-request and K=2 without it (the engine before
+the copies; at K=2 the drafter drafts, so its blocks are copied); 16 prompts (two waves of 8), 128
+tokens, greedy, 3 interleaved rounds, each run from a cold cache. Each run's outputs are checked
+against none's (lossless).
 
     .venv/bin/python results/zen5/pc37/prefix_cache.py ~/.cache/dynaspec/profiles/<pair>.json humaneval
 """
@@ -27,8 +29,10 @@ def main() -> None:
             EngineConfig(model=MODEL, speculative_config=SPEC, enable_prefix_caching=False)
         ),
     }
-    makers = k_policies([0], load_profile(sys.argv[1]), 5, 3)
+    makers = k_policies([0, 2], load_profile(sys.argv[1]), 5, 3)
     prompts = load_prompts(sys.argv[2], chat=True)[:16]
+
+    want: list[list[int]] = []
 
     def run(name: str) -> str:
         policy, _, nocache = name.partition(" ")
@@ -42,9 +46,13 @@ def main() -> None:
         cached = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
         copies = after["unshared_blocks"] - before["unshared_blocks"]
         rate = sum(len(r.output_token_ids) for r in requests) / wall
-        return f"{rate:.1f} tok/s, cached prompt tokens {cached}, blocks copied {copies}"
+        outputs = [r.output_token_ids for r in requests]
+        if not want:
+            want.extend(outputs)
+        same = outputs == want
+        return f"{rate:.1f} tok/s, cached prompt tokens {cached}, blocks copied {copies}, as none's: {same}"
 
-    names = ["none", "K=0", "per-request", "per-request nocache"]
+    names = ["none", "K=0", "per-request", "per-request nocache", "K=2", "K=2 nocache"]
     for name in names:  # warm each configuration
         run(name)
     for rnd in range(3):
