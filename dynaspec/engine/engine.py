@@ -397,17 +397,17 @@ class Engine:
 
     def _unshare_drafted_blocks(self, plan: SchedulePlan) -> None:
         """Give each drafting request copies of the shared blocks its drafter will write into
-        (``Proposer.kv_write_start``): a drafter's K/V sits at indices of its own (its window
+        this step (``Proposer.kv_writes``): a drafter's K/V sits at indices of its own (its window
         shifts them), so a prefix-cached block's drafter K/V is its first holder's. A request left
         without a free block for a copy drafts nothing this step."""
         bs, allocator = self.config.block_size, self.allocator
         copies: list[tuple[int, int]] = []
         for i, r in enumerate(plan.decodes):
-            start = self.proposer.kv_write_start(r) if plan.k_caps[i] else None
-            if start is None:
+            span = self.proposer.kv_writes(r, plan.k_caps[i]) if plan.k_caps[i] else None
+            if span is None:
                 continue
             blocks = r.block_ids
-            for j in range(start // bs, len(blocks)):
+            for j in range(span[0] // bs, min(len(blocks), -(-span[1] // bs))):
                 if allocator.is_shared(blocks[j]):
                     copy = allocator.unshare(blocks[j])
                     if copy is None:

@@ -24,8 +24,9 @@ average raise the drafts kept from 0.801 to 0.844; the whole head keeps 0.872).
 
 With prefix caching, requests share the blocks of a common prompt prefix; because the window
 shifts indices, a shared block's drafter K/V is its first holder's, so the engine gives a request
-a copy of each shared block from ``kv_write_start`` on before its drafter writes (every drafter
-reads only K/V it wrote itself).
+a copy of each shared block its drafter is about to write into (``kv_writes``), so every
+drafter reads only K/V it wrote itself, and a long cached prompt is copied only as far as the
+drafter's closed-up indices reach.
 
 Drafts may get worse; verification keeps the output lossless either way.
 """
@@ -176,11 +177,13 @@ class DraftModelProposer(Proposer):
         self.runner.window = self._window
 
     def shares_cached_blocks(self) -> bool:
-        return True  # it writes its K/V at and past what it has read: kv_write_start
+        return True  # it says where it writes its K/V: kv_writes
 
-    def kv_write_start(self, request) -> int | None:
+    def kv_writes(self, request, cap: int) -> tuple[int, int] | None:
+        """From the index after what it has read: its catch-up, then drafts 1..cap-1 fed."""
         rid = request.request_id
-        return self.num_computed.get(rid, 0) - self.shift.get(rid, 0)
+        start = self.num_computed.get(rid, 0) - self.shift.get(rid, 0)
+        return start, start + self.unseen_tokens(request) + cap - 1
 
     def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.runner.copy_blocks(pairs)

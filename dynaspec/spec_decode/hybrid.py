@@ -144,8 +144,8 @@ class HybridProposer(Proposer):
     def shares_cached_blocks(self) -> bool:
         return self.model.shares_cached_blocks()
 
-    def kv_write_start(self, request: Request) -> int | None:
-        return self.model.kv_write_start(request)
+    def kv_writes(self, request: Request, cap: int) -> tuple[int, int] | None:
+        return self.model.kv_writes(request, cap)
 
     def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.model.copy_kv_blocks(pairs)

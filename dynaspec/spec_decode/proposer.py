@@ -62,13 +62,13 @@ class Proposer:
 
     def shares_cached_blocks(self) -> bool:
         """Whether prefix caching may share blocks between requests it drafts for: always where it
-        keeps no K/V; where it does, only if it says where it writes (``kv_write_start``)."""
+        keeps no K/V; where it does, only if it says where it writes (``kv_writes``)."""
         return self.kv_bytes_per_token() == 0
 
-    def kv_write_start(self, request: Request) -> int | None:
-        """The first index of ``request``'s blocks its own K/V is written at if it drafts for it
-        this step (it writes only at and past it); None where it keeps none. The engine first
-        gives the request copies of the blocks from there on that other requests share."""
+    def kv_writes(self, request: Request, cap: int) -> tuple[int, int] | None:
+        """The indices [start, stop) of ``request``'s blocks at which its own K/V is written if it
+        drafts up to ``cap`` tokens for it this step; None where it keeps none. The engine first
+        gives the request copies of the blocks there that other requests share."""
         return None
 
     def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -170,25 +170,44 @@ def test_model_free_drafts_with_cached_prefixes_equal_plain_decoding(target_dir,
     assert engine.stats()["prefix_cache"]["cached_prompt_tokens"] > 0
 
 
-@pytest.mark.parametrize("window", [12, 0])
-def test_a_draft_model_with_cached_prefixes_equals_plain_and_drafts_as_without(target_dir, window):
-    """The drafter writes its K/V at indices of its own (a window of 12 shifts them inside the
+def test_a_draft_model_with_cached_prefixes_equals_plain_and_drafts_as_without(target_dir):
+    """The drafter writes its K/V at indices of its own (a window of 12 closes them up inside the
     shared prompt blocks), so each request copies a shared block before its drafter writes there:
     every step's drafts are the ones made without the cache, and the output is plain decoding's."""
     plain = make_engine(target_dir, block_size=4, enable_prefix_caching=False)
     want = run_staggered(plain, SHARED + SHARED, arrive_every=2)
+    for window in (12, 0):
+        # the target drafts for itself: drafts from K/V another request wrote would miss
+        spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3}
+        spec |= {"draft_quantization": "none", "draft_context_window": window}
+        drafts, cache = {}, {}
+        for caching in (False, True):
+            engine = make_engine(
+                target_dir, block_size=4, speculative_config=spec, enable_prefix_caching=caching
+            )
+            assert engine.prefix_caching == caching
+            drafts[caching] = record_drafts(engine.proposer)
+            assert run_staggered(engine, SHARED + SHARED, arrive_every=2) == want
+            cache[caching] = engine.stats()["prefix_cache"]
+        assert drafts[True] == drafts[False] and len(drafts[True]) > 20
+        assert cache[True]["cached_prompt_tokens"] > 0 and cache[True]["unshared_blocks"] > 0
+        assert engine.allocator.num_shared == 0 and engine.allocator.usage == 0.0
+
+
+def test_a_drafter_with_a_window_copies_a_long_shared_prompt_only_as_far_as_it_writes(target_dir):
+    """Two requests on one long prompt: the second takes the first's prompt blocks from the cache,
+    and its drafter (4 sinks and a window of 12) writes its first 16 indices, not the prompt's
+    length: a few blocks are copied, not all of them shared."""
+    long = SYSTEM * 3 + PROMPTS[0]
     spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3}
-    spec |= {"draft_quantization": "none", "draft_context_window": window}
-    drafts, cache = {}, {}
-    for caching in (False, True):
-        engine = make_engine(target_dir, block_size=4, speculative_config=spec, enable_prefix_caching=caching)
-        assert engine.prefix_caching == caching
-        drafts[caching] = record_drafts(engine.proposer)
-        assert run_staggered(engine, SHARED + SHARED, arrive_every=2) == want
-        cache[caching] = engine.stats()["prefix_cache"]
-    assert drafts[True] == drafts[False] and len(drafts[True]) > 20
-    assert cache[True]["cached_prompt_tokens"] > 0 and cache[True]["unshared_blocks"] > 0
-    assert engine.allocator.num_shared == 0 and engine.allocator.usage == 0.0
+    spec["draft_context_window"] = 12
+    plain = make_engine(target_dir, block_size=4, enable_prefix_caching=False)
+    want = run_staggered(plain, [long, long], arrive_every=3)
+    engine = make_engine(target_dir, block_size=4, speculative_config=spec)
+    assert run_staggered(engine, [long, long], arrive_every=3) == want
+    cache = engine.stats()["prefix_cache"]
+    shared = cache["cached_prompt_tokens"] // 4
+    assert shared >= 15 and 0 < cache["unshared_blocks"] < shared // 2
 
 
 def record_drafts(proposer) -> list:
