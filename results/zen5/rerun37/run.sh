@@ -7,14 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 out=bench-results/zen5/rerun37
 mkdir -p "$out"
-pair='{"method":"draft_model","model":"qwen2.5-coder-0.5b-instruct","num_speculative_tokens":5}'
-ngram='{"method":"ngram","num_speculative_tokens":5}'
-cell() { # name spec dataset concurrency fixed-ks
-    .venv/bin/dynaspec bench sweep --model qwen2.5-coder-1.5b-instruct --speculative-config "$2" \
-        --profile auto --dataset "$3" --concurrency "$4" --prompts-per-concurrency 8 \
-        --min-prompts $((8 * $4)) --fixed-ks "$5" --configs "none,$(echo "$5" | sed 's/\([0-9]\)/K=\1/g'),per-request" \
-        --max-tokens 128 --rounds 8 --result-file "$out/$1.json" > "$out/$1.log" 2>&1
-}
+. results/zen5/cell37.sh
 cell sweep_pair_mtbench_c2 "$pair" mtbench 2 1,2,3
 cell sweep_ngram_mtbench_c1 "$ngram" mtbench 1 1,2,3
 cell sweep_pair_humaneval_c8 "$pair" humaneval 8 1,2
