@@ -23,7 +23,8 @@ def main() -> None:
     engines = {
         "none": Engine(EngineConfig(model=MODEL)),
         "none-nocache": Engine(EngineConfig(model=MODEL, enable_prefix_caching=False)),
-        "spec": Engine(EngineConfig(model=MODEL, speculative_config=SPEC)),
+        # the pair without prefix caching, as its engine ran before 81c823d (now the default is on)
+        "spec": Engine(EngineConfig(model=MODEL, speculative_config=SPEC, enable_prefix_caching=False)),
     }
     makers = k_policies([0], load_profile(sys.argv[1]), 5, 3)
     prompts = load_prompts(sys.argv[2], chat=True)[:16]
