@@ -72,6 +72,23 @@ def test_a_key_cached_under_another_block_keeps_the_first_and_off_caches_nothing
     assert off.cached_prefix([k0]) == 0 and off.num_cached_blocks == 0
 
 
+def test_unshare_gives_a_holder_a_fresh_block_and_counts_shared_blocks():
+    a = BlockAllocator(3, 2, prefix_caching=True)
+    (k0,) = chain([1, 2])
+    first: list[int] = []
+    a.grow(first, 2)
+    a.register(first[0], k0)
+    assert a.num_shared == 0 and not a.is_shared(first[0])
+    second = a.acquire([k0])
+    third = a.acquire([k0])
+    assert a.num_shared == 1 and a.is_shared(first[0])
+    copy = a.unshare(second[0])  # the caller copies the K/V over and puts it in its table
+    assert copy not in (None, first[0]) and a.num_unshared == 1 and a.is_shared(first[0])
+    assert a.unshare(third[0]) not in (None, copy) and a.num_shared == 0 and a.num_free == 0
+    a.acquire([k0])
+    assert a.unshare(first[0]) is None and a.num_shared == 1  # no block free: nothing changes
+
+
 @pytest.fixture(scope="module")
 def gguf_target(target_dir, tmp_path_factory):
     """The tiny target in GGUF blocks: the C++ kernels, whose rows are batch invariant. Every matrix
@@ -208,6 +225,24 @@ def test_a_drafter_with_a_window_copies_a_long_shared_prompt_only_as_far_as_it_w
     cache = engine.stats()["prefix_cache"]
     shared = cache["cached_prompt_tokens"] // 4
     assert shared >= 15 and 0 < cache["unshared_blocks"] < shared // 2
+
+
+def test_a_drafting_request_without_a_block_for_its_copy_drafts_nothing_and_stays_lossless(target_dir):
+    """No free block for a copy: the request drafts nothing that step (its drafter would write into
+    a block another request shares); the others draft, and the output is plain decoding's."""
+    plain = make_engine(target_dir, block_size=4, enable_prefix_caching=False)
+    want = run_staggered(plain, SHARED + SHARED, arrive_every=2)
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3}
+    drafted = {}
+    for copies in (True, False):
+        engine = make_engine(target_dir, block_size=4, speculative_config=spec)
+        if not copies:
+            engine.allocator.unshare = lambda block: None
+        drafts = record_drafts(engine.proposer)
+        assert run_staggered(engine, SHARED + SHARED, arrive_every=2) == want
+        assert engine.stats()["prefix_cache"]["cached_prompt_tokens"] > 0
+        drafted[copies] = sum(len(tokens) for step in drafts for _, tokens in step)
+    assert 0 < drafted[False] < drafted[True]
 
 
 def record_drafts(proposer) -> list:
