@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dynaspec.engine.kv_cache import BlockAllocator, kv_bytes_per_token
+from dynaspec.engine.kv_cache import BlockAllocator, cdiv, kv_bytes_per_token
 from dynaspec.engine.request import Request, RequestOutput
 from dynaspec.engine.runner import ModelRunner
 from dynaspec.engine.sampler import SamplingTensors, score_prompts
@@ -202,8 +202,8 @@ class Engine:
         if wanted:
             raise ValueError(
                 f"enable_prefix_caching: not with speculative_config.method {spec.method!r}: its "
-                "drafter keeps K/V in the requests' block tables, which shared blocks would mix up "
-                "(use draft_model, ngram or suffix drafts, or leave prefix caching off)"
+                "drafter reads the target's hidden states of every position, which a cached prefix "
+                "skips computing (use draft_model, ngram or suffix drafts, or leave prefix caching off)"
             )
         return False
 
@@ -407,7 +407,7 @@ class Engine:
             if span is None:
                 continue
             blocks = r.block_ids
-            for j in range(span[0] // bs, min(len(blocks), -(-span[1] // bs))):
+            for j in range(span[0] // bs, min(len(blocks), cdiv(span[1], bs))):
                 if allocator.is_shared(blocks[j]):
                     copy = allocator.unshare(blocks[j])
                     if copy is None:

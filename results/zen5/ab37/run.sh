@@ -6,9 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 out=bench-results/zen5/ab37
-mkdir -p "$out"
-for run in "pair humaneval" "pair mtbench" "ngram mtbench" "ngram humaneval"; do
-    set -- $run
-    EXTRA_CONFIGS=drift-one ROUNDS=4 PROMPTS_PER_C=4 bash benchmarks/auto_sweep.sh "$1" "$2" \
-        "$out/sweep_$1_$2" > "$out/sweep_$1_$2.log" 2>&1
-done
+. results/zen5/sweeps37.sh
+EXTRA_CONFIGS=drift-one ROUNDS=4 PROMPTS_PER_C=4 sweeps "pair humaneval" "pair mtbench" "ngram mtbench" \
+    "ngram humaneval"

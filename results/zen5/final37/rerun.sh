@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 out=bench-results/zen5/final37
-. results/zen5/cell37.sh
+. results/zen5/sweeps37.sh
 cell rerun_pair_mtbench_c1 "$pair" mtbench 1 1,2,3
 cell rerun_pair_mtbench_c4 "$pair" mtbench 4 1,2,3
 cell rerun_ngram_mtbench_c4 "$ngram" mtbench 4 1,2,3

@@ -5,8 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 out=bench-results/zen5/final37
-mkdir -p "$out"
-for run in "pair humaneval" "ngram humaneval" "pair mtbench" "ngram mtbench"; do
-    set -- $run
-    ROUNDS=8 PROMPTS_PER_C=3 bash benchmarks/auto_sweep.sh "$1" "$2" "$out/sweep_$1_$2" > "$out/sweep_$1_$2.log" 2>&1
-done
+. results/zen5/sweeps37.sh
+ROUNDS=8 PROMPTS_PER_C=3 sweeps "pair humaneval" "ngram humaneval" "pair mtbench" "ngram mtbench"

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 out=bench-results/zen5/rerun37
 mkdir -p "$out"
-. results/zen5/cell37.sh
+. results/zen5/sweeps37.sh
 cell sweep_pair_mtbench_c2 "$pair" mtbench 2 1,2,3
 cell sweep_ngram_mtbench_c1 "$ngram" mtbench 1 1,2,3
 cell sweep_pair_humaneval_c8 "$pair" humaneval 8 1,2

@@ -6,8 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 out=bench-results/zen5/split37
-mkdir -p "$out"
-for run in "pair mtbench" "ngram mtbench" "pair humaneval" "ngram humaneval"; do
-    set -- $run
-    ROUNDS=4 PROMPTS_PER_C=4 bash benchmarks/auto_sweep.sh "$1" "$2" "$out/sweep_$1_$2" > "$out/sweep_$1_$2.log" 2>&1
-done
+. results/zen5/sweeps37.sh
+ROUNDS=4 PROMPTS_PER_C=4 sweeps "pair mtbench" "ngram mtbench" "pair humaneval" "ngram humaneval"
