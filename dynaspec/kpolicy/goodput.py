@@ -53,6 +53,9 @@ EXPLORE_EVERY = 24
 # ... once the grid's drift rests on this many whole steps (decayed): a cell is corrected relative
 # to the drift, so one timed against a drift still settling would keep the difference
 EXPLORE_AFTER = 8.0
+# the hysteresis holds a K only while its goodput by the step's scores is within this share of the
+# best K's: a near tie at a batch-size boundary, not a K left over from another load
+HOLD_WITHIN = 0.10
 
 
 def peak_counts(bs: int, k: int, runs: list[int]) -> list[int]:
@@ -329,7 +332,7 @@ class GoodputK:
         ]
         scores = self._scores(bs, plain, alpha, prefix, drafted_cost, runs)  # {(k, n): goodput}
         wanted = max(scores, key=lambda kn: (scores[kn], -kn[0], kn[1]))[0] if scores else 0
-        k = self.hysteresis.update(wanted)
+        k = self._held(wanted, scores)
         n = (
             max((kn for kn in scores if kn[0] == k), key=lambda kn: (scores[kn], kn[1]), default=(k, 0))[1]
             if k
@@ -367,6 +370,21 @@ class GoodputK:
             if neighbour is not None:
                 k, drafts = neighbour, [neighbour] * bs
         return k, drafts
+
+    def _held(self, wanted: int, scores: dict[tuple[int, int], float]) -> int:
+        """The step's K through the hysteresis, which holds the last K against a near tie only: where
+        the held K's best goodput is more than ``HOLD_WITHIN`` below the wanted K's, the wanted K
+        is taken at once. A K held from another load could be far from right: one kept from the
+        long tail at one request made eight new requests on 2,900-token prompts each catch their
+        drafter up on 260 tokens to draft five, where K=0 was 26% better by the same scores
+        (issue 40, the pair on longedit with warm policies: 0.79 of none)."""
+        held = self.hysteresis.current
+        if held is not None and held != wanted and scores:
+            best = max(scores.values())
+            kept = max((v for (k, _), v in scores.items() if k == held), default=0.0)
+            if kept < best * (1 - HOLD_WITHIN):
+                return self.hysteresis.take(wanted)
+        return self.hysteresis.update(wanted)
 
     def _caught_up(self, candidate: DraftCandidate) -> bool:
         """Whether its drafter owes no more than what the last step accepted (a draft model reads

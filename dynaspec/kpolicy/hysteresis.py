@@ -35,6 +35,12 @@ class Hysteresis:
             self._candidate, self._wins = None, 0
         return self.current
 
+    def take(self, candidate: int) -> int:
+        """Switch to ``candidate`` now (the caller found the held K clearly worse, not a near tie)."""
+        self.current = candidate
+        self._candidate, self._wins = None, 0
+        return candidate
+
 
 def log_change(k_by_batch_size: dict[int, int], batch_size: int, k: int, name: str) -> bool:
     if k_by_batch_size.get(batch_size) == k:
