@@ -15,7 +15,8 @@
 #        (default stem bench-results/auto_sweep_<drafter>_<dataset>)
 # Environment: EXTRA_CONFIGS=cells-off,stops-off adds configurations (cells-off: per-request without
 # live grid cells; stops-off: per-request without confidence stops; matches-off: per-request
-# pricing an n-gram's rows by acceptance, not their matches); ROUNDS (default 2) and PROMPTS_PER_C (default 2; at least 4 prompts a concurrency) size it;
+# pricing an n-gram's rows by acceptance, not their matches; hold-on: per-request whose hysteresis
+# holds its K at any gap); ROUNDS (default 2) and PROMPTS_PER_C (default 2; at least 4 prompts a concurrency) size it;
 # WARM_POLICIES=1 keeps one K policy per configuration for the whole sweep (`--warm-policies`).
 # Writes <stem>.json and <stem>.png; the profile's cached file is named in the JSON ("profile").
 set -euo pipefail

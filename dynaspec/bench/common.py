@@ -114,8 +114,9 @@ def _cell(v: Any) -> str:
 # without its context axis (only where the profile has one), "cells-off" per-request without live
 # grid cells (``CellCorrection``: the grid moved by the live drift alone), "stops-off" per-request
 # without confidence stops (every draft the proposer makes is verified), "matches-off" per-request
-# pricing an n-gram's rows by the request's acceptance, not by each row's match
-DYNAMIC_CONFIGS = ("goodput", "per-request", "ctx-blind", "cells-off", "stops-off", "matches-off")
+# pricing an n-gram's rows by the request's acceptance, not by each row's match, "hold-on"
+# per-request whose hysteresis holds its K at any gap (not only a near tie)
+DYNAMIC_CONFIGS = ("goodput", "per-request", "ctx-blind", "cells-off", "stops-off", "matches-off", "hold-on")
 
 
 def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: int) -> dict[str, Any]:
@@ -124,7 +125,8 @@ def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: i
     the load, who drafts: the batch-level rule) and ``per-request`` (a K per request and confidence
     stops tuned online: the engine's default with a profile), ``cells-off`` (per-request without
     live grid cells), ``stops-off`` (per-request without confidence stops), ``matches-off``
-    (per-request pricing an n-gram's rows by acceptance, not by their matches), and with a profile
+    (per-request pricing an n-gram's rows by acceptance, not by their matches), ``hold-on``
+    (per-request whose hysteresis holds its K at any gap, not only a near tie), and with a profile
     that has a context axis, ``ctx-blind`` (per-request without it)."""
     from dynaspec.kpolicy.goodput import GoodputK
     from dynaspec.kpolicy.policy import FixedK, TableK
@@ -145,6 +147,9 @@ def k_policies(fixed_ks: Sequence[int], profile, max_k: int, hysteresis_steps: i
         )
         policies["matches-off"] = lambda: GoodputK(
             profile, max_k, hysteresis_steps, per_request=True, price_matches=False
+        )
+        policies["hold-on"] = lambda: GoodputK(
+            profile, max_k, hysteresis_steps, per_request=True, hold_within=1.0
         )
         if profile.context_tokens is not None and profile.context_stats:
             blind = without_context_axis(profile)

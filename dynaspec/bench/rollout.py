@@ -52,7 +52,8 @@ def add_parser(sub) -> None:
         "per-request (a K per request: what an engine with a profile uses), ctx-blind (per-request "
         "without the profile's context axis), cells-off (per-request without live grid cells), "
         "stops-off (per-request without confidence stops), matches-off (per-request pricing an "
-        "n-gram's rows by acceptance, not their matches)",
+        "n-gram's rows by acceptance, not their matches), hold-on (per-request whose hysteresis "
+        "holds its K at any gap)",
     )
     p.add_argument("--dataset", default="mtbench")
     p.add_argument("--num-prompts", type=int, default=64)

@@ -63,8 +63,9 @@ def add_parser(sub) -> None:
         help="run only these configurations, comma-separated "
         "(none, K=<k> from --fixed-ks, table, goodput, per-request, cells-off: per-request without live "
         "grid cells, stops-off: per-request without confidence stops, matches-off: per-request pricing "
-        "an n-gram's rows by acceptance, not their matches, and ctx-blind with a profile that has a "
-        "context axis: per-request without it); default all but cells-off, stops-off and matches-off",
+        "an n-gram's rows by acceptance, not their matches, hold-on: per-request whose hysteresis holds "
+        "its K at any gap, and ctx-blind with a profile that has a context axis: per-request without "
+        "it); default all but cells-off, stops-off, matches-off and hold-on",
     )
     p.add_argument(
         "--max-tokens", type=int, default=48, help="output cap per request (keeps the sweep short)"
@@ -218,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     policies = k_policies(fixed_ks, profile, max_k, spec.hysteresis_steps)
     configs = ["none", *policies]
     # A/Bs of the engine's own policy: asked for by name only
-    opt_in = ["cells-off", "stops-off", "matches-off"]
+    opt_in = ["cells-off", "stops-off", "matches-off", "hold-on"]
     if args.configs is None:
         configs = [c for c in configs if c not in opt_in]
     else:

@@ -206,6 +206,7 @@ class GoodputK:
         explore_every: int = EXPLORE_EVERY,
         live_cells: bool = True,
         price_matches: bool = True,
+        hold_within: float = HOLD_WITHIN,
         **estimate_kwargs,
     ) -> None:
         self.profile = profile
@@ -258,6 +259,7 @@ class GoodputK:
         # per request, a proposer whose only drafts are its matches (the n-gram) has each row priced
         # by its own match (``_match_drafts``); False: by the request's acceptance, as a drafter's
         self.price_matches = price_matches
+        self.hold_within = hold_within  # 1.0: the hysteresis holds its K at any gap (an A/B)
         self._matches_only = False  # the last choice priced rows by their matches
 
     def itl(self, batch_size: int, k: int) -> float | None:
@@ -372,17 +374,17 @@ class GoodputK:
         return k, drafts
 
     def _held(self, wanted: int, scores: dict[tuple[int, int], float]) -> int:
-        """The step's K through the hysteresis, which holds the last K against a near tie only: where
-        the held K's best goodput is more than ``HOLD_WITHIN`` below the wanted K's, the wanted K
-        is taken at once. A K held from another load could be far from right: one kept from the
-        long tail at one request made eight new requests on 2,900-token prompts each catch their
-        drafter up on 260 tokens to draft five, where K=0 was 26% better by the same scores
-        (issue 40, the pair on longedit with warm policies: 0.79 of none)."""
+        """The step's K through the hysteresis, which holds the last K against a near tie only:
+        where the held K's best goodput is more than ``hold_within`` (``HOLD_WITHIN``) below the
+        wanted K's, the wanted K is taken at once. A K held from another load could be far from
+        right: one kept from the long tail at one request made eight new requests on 2,900-token
+        prompts each catch their drafter up on 260 tokens to draft five, where K=0 was 26% better
+        by the same scores (issue 40, the pair on longedit with warm policies: 0.79 of none)."""
         held = self.hysteresis.current
         if held is not None and held != wanted and scores:
             best = max(scores.values())
             kept = max((v for (k, _), v in scores.items() if k == held), default=0.0)
-            if kept < best * (1 - HOLD_WITHIN):
+            if kept < best * (1 - self.hold_within):
                 return self.hysteresis.take(wanted)
         return self.hysteresis.update(wanted)
 

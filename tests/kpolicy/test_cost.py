@@ -9,7 +9,7 @@ from support.kpolicy import step_record
 
 from dynaspec.engine.types import DraftCandidate, StepTiming
 from dynaspec.kpolicy.cost import LiveScale, StepCostModel, fit_timings, prior_from_grid
-from dynaspec.kpolicy.goodput import REDECIDE_EVERY, GoodputK
+from dynaspec.kpolicy.goodput import HOLD_WITHIN, REDECIDE_EVERY, GoodputK
 from dynaspec.kpolicy.policy import FixedK, TableK
 from dynaspec.kpolicy.profile import Profile, best_k, load_profile, save_profile
 
@@ -325,21 +325,20 @@ def test_exploration_with_a_draft_model_pays_for_a_requests_catch_up():
     assert k > 0 and all(d > 0 for d in drafts) and policy.acceptance.rates()[0] > 0.8
 
 
-def test_hysteresis_holds_a_near_tie_and_drops_a_k_left_from_another_load(monkeypatch):
+def test_hysteresis_holds_a_near_tie_and_drops_a_k_left_from_another_load():
     """K=4 chosen at one request. Sixteen caught-up requests want K=3, within ``HOLD_WITHIN`` of
     K=4: held (no flip at a boundary). Eight new requests each owing their drafter 200 tokens
     want K=0, which the held K=4 trails by far: taken at once. With the hold at any gap, the
     eight catch-ups were paid to draft four tokens each (the per-request search from K=4 stays
     there: issue 40, 0.79 of none at eight long-context requests)."""
-    import dynaspec.kpolicy.goodput as goodput_module
-
-    for within, held_on_new in ((goodput_module.HOLD_WITHIN, False), (1.0, True)):
-        monkeypatch.setattr(goodput_module, "HOLD_WITHIN", within)
+    for within, held_on_new in ((HOLD_WITHIN, False), (1.0, True)):
         near = goodput(hysteresis=3, per_request=False)
+        near.hold_within = within
         assert near.choose([DraftCandidate(1, 1000)])[0] == 4
         assert goodput(hysteresis=1).choose([DraftCandidate(1, 1000)] * 16)[0] == 3
         assert near.choose([DraftCandidate(1, 1000)] * 16)[0] == 4  # a near tie: held
         far = goodput(hysteresis=3, per_request=True)
+        far.hold_within = within
         assert far.choose([DraftCandidate(1, 1000)])[0] == 4
         k, drafts = far.choose([DraftCandidate(200, 100)] * 8)
         assert (k, drafts) == ((4, [4] * 8) if held_on_new else (0, [0] * 8))
