@@ -84,8 +84,10 @@ class StepCostModel:
         shared_scale: bool = False,
         context: ContextCost | None = None,
     ) -> None:
-        self.target_coef = np.asarray(target_prior, dtype=np.float64)
-        self.draft_coef = np.asarray(draft_prior, dtype=np.float64)
+        # plain floats: a choice prices a few dozen steps, and numpy's dot of three numbers took a
+        # sixth of a choice's host time (benchmarks/probes/choose_time.py)
+        self.target_coef = tuple(float(c) for c in target_prior)
+        self.draft_coef = tuple(float(c) for c in draft_prior)
         self.target_scale = LiveScale(prior_weight, decay)
         self.draft_scale = LiveScale(prior_weight, decay)
         # one scale for every pass, of the step's passes together (a model priced from the grid)
@@ -271,8 +273,11 @@ def _positive(ms: object) -> bool:
     return isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0
 
 
-def _predict(coef: np.ndarray, x: Sequence[float]) -> float:
-    return max(0.0, float(np.dot(coef, np.asarray(x, dtype=np.float64))))
+def _predict(coef: Sequence[float], x: Sequence[float]) -> float:
+    """max(0, coef . x) for the models' three features, in plain Python."""
+    c0, c1, c2 = coef
+    x0, x1, x2 = x
+    return max(0.0, float(c0 * x0 + c1 * x1 + c2 * x2))
 
 
 def fit_linear(xs: Sequence[Sequence[float]], ys: Sequence[float], ridge: float = 1e-6) -> list[float]:
@@ -381,8 +386,7 @@ def grid_misfit(
     if not cells:
         return []
     predicted = [
-        _predict(np.asarray(target), (1.0, bs * (k + 1), 0.0))
-        + (k * _predict(np.asarray(draft), (1.0, bs, 0.0)) if k else 0.0)
+        _predict(target, (1.0, bs * (k + 1), 0.0)) + (k * _predict(draft, (1.0, bs, 0.0)) if k else 0.0)
         for bs, k, _ in cells
     ]
     overhead = max(0.0, float(np.median([ms - p for (_, _, ms), p in zip(cells, predicted)])))

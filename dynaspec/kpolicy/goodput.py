@@ -515,10 +515,12 @@ class GoodputK:
             if k and t is not None and row[0] is not None
         ]
         verify_floor = min((x for x in shares if x > 0), default=self.costs.verify_ms_per_token())
+        pass_ms = [draft_pass(rows) for rows in range(max(0, bs) + 1)]  # a layer holds at most bs rows
 
         @functools.cache
         def cost(layers: tuple[int, ...], free_tokens: int = 0) -> float:
-            drafted = sum(layers) + free_tokens
+            rows_drafted = sum(layers)
+            drafted = rows_drafted + free_tokens
             if not drafted or bs <= 0:
                 return 0.0
             k = min(drafted / bs, float(self.max_k))
@@ -530,7 +532,11 @@ class GoodputK:
             spec = low + (high - low) * (k - lo)
             per_token = max(0.0, spec - plain - k * draft_pass(bs)) / drafted
             free = free_tokens * max(per_token, verify_floor) if free_tokens else 0.0
-            return per_token * sum(layers) + free + sum(draft_pass(rows) for rows in layers if rows)
+            passes = 0
+            for rows in layers:
+                if rows:
+                    passes += pass_ms[rows] if rows <= bs else draft_pass(rows)
+            return per_token * rows_drafted + free + passes
 
         return cost
 
