@@ -46,7 +46,8 @@ REDECIDE_EVERY = 4
 KEEP_ABOVE_SHARE = 0.01
 # exploring the grid's cells (``CellCorrection``): where every request drafts the same K at a
 # profiled batch size, a neighbouring K whose goodput is within EXPLORE_MARGIN of the best runs
-# one step once its cell has gone EXPLORE_EVERY steps untimed; at most 2 steps in EXPLORE_EVERY,
+# one step once its cell has gone EXPLORE_EVERY steps untimed (and K=0, the step every drafting K is
+# weighed against, likewise); at most 3 steps in EXPLORE_EVERY,
 # each at most EXPLORE_MARGIN worse by the estimate: under 1% of goodput when the estimate is right
 EXPLORE_MARGIN = 0.08
 EXPLORE_EVERY = 24
@@ -402,8 +403,8 @@ class GoodputK:
     ) -> int | None:
         """A K next to the step's to run instead, to time its cell of the grid (``CellCorrection``),
         or None: where the step is one cell (a profiled batch size, every request decoding, caught
-        up and drafting the same K), the K one above or below it whose uniform goodput by the
-        estimate is within EXPLORE_MARGIN of the best, once its cell has gone EXPLORE_EVERY steps
+        up and drafting the same K), the K one above or below it, or K=0, whose uniform goodput by
+        the estimate is within EXPLORE_MARGIN of the best, once its cell has gone EXPLORE_EVERY steps
         untimed, and once the grid's drift rests on EXPLORE_AFTER steps. A cell the policy never
         chose was otherwise never corrected: on zen5 one read 13% high and hid a clear win (issue
         37)."""
@@ -416,7 +417,9 @@ class GoodputK:
         if not all(c.decoding and self._caught_up(c) and not c.free_rates for c in candidates):
             return None
         best = max(scores.values())
-        for k in (drafts[0] + 1, drafts[0] - 1):
+        # the plain step too: every drafting K is weighed against it, and a drafting policy never
+        # timed it (issue 40's pair at four long-context requests: priced 7% dear, a tie lost)
+        for k in (drafts[0] + 1, drafts[0] - 1, *((0,) if drafts[0] > 1 else ())):
             score = scores.get((k, bs) if k else (0, 0))
             if not 0 <= k <= min(caps) or k not in row or score is None:
                 continue

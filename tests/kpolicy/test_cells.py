@@ -127,6 +127,23 @@ def test_a_far_neighbour_is_never_explored():
     assert set(ks) == {1, 2} and set(policy.snapshot()["live_cells"]["1"]) == {"1", "2"}
 
 
+def test_the_plain_step_is_timed_too_when_a_drafting_k_is_only_a_little_ahead():
+    """K=2 looks 5% better than K=0 by a profile whose plain step reads 10% dear; on the machine
+    K=0 is 4% better. K=0 is not K=2's neighbour, but every drafting K is weighed against it: its
+    cell is timed, and K moves to 0 (issue 40: the pair at four long-context requests, a plain
+    step priced 7% dear and never timed while the policy drafted K=3)."""
+    true = {0: 20.0, 1: 36.0, 2: 44.0, 3: 52.0, 4: 60.0, 5: 68.0}
+    dear = {**true, 0: 22.0}
+    assert best_k(true) == 0 and best_k(dear) == 2
+    row = smooth_itl({1: dear})[1]
+    assert goodput(0, row) > (1 - EXPLORE_MARGIN) * goodput(2, row)
+    ks, rate, policy = simulate(dear, true=true)
+    assert ks[-100:].count(0) >= 85, ks[-100:]  # (the rest: probes and K=1 timed now and then)
+    assert "0" in policy.snapshot()["live_cells"]["1"]
+    blind_ks, blind_rate, _ = simulate(dear, true=true, explore_every=0)
+    assert blind_ks[-100:].count(0) == 0 and rate > 1.02 * blind_rate
+
+
 @pytest.mark.parametrize(
     ("timing", "lens", "cell"),
     [
