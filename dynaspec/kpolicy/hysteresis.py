@@ -23,20 +23,16 @@ class Hysteresis:
 
     def update(self, candidate: int) -> int:
         if self.current is None or candidate == self.current:
-            self.current = candidate
-            self._candidate, self._wins = None, 0
-            return candidate
+            return self.take(candidate)
         if candidate == self._candidate:
             self._wins += 1
         else:
             self._candidate, self._wins = candidate, 1
-        if self._wins >= self.steps:
-            self.current = candidate
-            self._candidate, self._wins = None, 0
-        return self.current
+        return self.take(candidate) if self._wins >= self.steps else self.current
 
     def take(self, candidate: int) -> int:
-        """Switch to ``candidate`` now (the caller found the held K clearly worse, not a near tie)."""
+        """Switch to ``candidate`` now (the first choice, a win streak, or a caller that found the
+        held K clearly worse, not a near tie)."""
         self.current = candidate
         self._candidate, self._wins = None, 0
         return candidate
