@@ -84,8 +84,9 @@ class StepCostModel:
         shared_scale: bool = False,
         context: ContextCost | None = None,
     ) -> None:
-        # plain floats: a choice prices a few dozen steps, and numpy's dot of three numbers took a
-        # sixth of a choice's host time (benchmarks/probes/choose_time.py)
+        # plain floats: a choice prices a few dozen steps, and numpy's dot of three numbers was a
+        # noticeable share of its host time (with the pricer's pass list, a choice 17-22% faster:
+        # results/zen5/le40/choose_ab.sh)
         self.target_coef = tuple(float(c) for c in target_prior)
         self.draft_coef = tuple(float(c) for c in draft_prior)
         self.target_scale = LiveScale(prior_weight, decay)

@@ -379,8 +379,9 @@ class GoodputK:
         where the held K's best goodput is more than ``hold_within`` (``HOLD_WITHIN``) below the
         wanted K's, the wanted K is taken at once. A K held from another load could be far from
         right: one kept from the long tail at one request made eight new requests on 2,900-token
-        prompts each catch their drafter up on 260 tokens to draft five, where K=0 was 26% better
-        by the same scores (issue 40, the pair on longedit with warm policies: 0.79 of none)."""
+        prompts each catch their drafter up on 260 tokens to draft five, where K=0 was about a
+        quarter better by the profile's prices (issue 40, the pair on longedit with warm
+        policies: 0.79 of none)."""
         held = self.hysteresis.current
         if held is not None and held != wanted and scores:
             best = max(scores.values())
