@@ -1,4 +1,5 @@
-"""`dynaspec train-draft`: train an EAGLE-3 head for a target on the target's own answers."""
+"""`dynaspec train-draft`: train an EAGLE-3 head for a target on its own answers (or a dataset's,
+read by the target)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ def add_parser(sub) -> None:
         "slice) or a prompt file; never an evaluation set",
     )
     p.add_argument("--num-prompts", type=int, default=2000, help="conversations to generate and train on")
+    p.add_argument(
+        "--answers",
+        default="target",
+        choices=["target", "dataset"],
+        help="who answers the prompts: target (it generates: self-distillation) or dataset (the "
+        "dataset's own replies, which the target reads in one teacher-forced pass for its hidden "
+        "states and labels: about 3x the answer tokens a CPU second; sharegpt only). Shards of both "
+        "kinds train together; the held-out ones are the target's own answers where there are any",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="answer tokens per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="the target's answers (0: greedy)")
     p.add_argument("--generate-batch", type=int, default=16, help="prompts the target answers at once")
@@ -95,21 +105,29 @@ def run(args: argparse.Namespace) -> int:
         generate_batch=args.generate_batch,
         precision=args.precision,
     )
-    prompts = eagle3.training_prompts(args.dataset, args.num_prompts)
+    if args.answers == "dataset":
+        conversations = eagle3.training_answers(args.dataset, args.num_prompts)
+        prompts = [messages for messages, _ in conversations]
+    else:
+        prompts = eagle3.training_prompts(args.dataset, args.num_prompts)
     if len(prompts) < 2:
         raise ValueError(f"--dataset: {args.dataset} gave {len(prompts)} prompts; need at least 2")
     kwargs = engine_kwargs(args)
     kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], settings.generate_batch)
     engine = build_engine(EngineConfig(model=args.model, **kwargs))
     output = Path(args.output)
-    shards = eagle3.collect(engine, prompts, settings, output / "data", progress=engine.config.progress)
+    if args.answers == "dataset":
+        shards = eagle3.collect_dataset_answers(
+            engine, conversations, settings, output / "data", progress=engine.config.progress
+        )
+    else:
+        shards = eagle3.collect(engine, prompts, settings, output / "data", progress=engine.config.progress)
     if args.collect_only:
         print(
             f"{len(shards)} conversations recorded under {output / 'data'}; nothing trained (--collect-only)"
         )
         return 0
-    held = max(1, round(len(shards) * settings.holdout))
-    train_shards, eval_shards = shards[:-held], shards[-held:]
+    train_shards, eval_shards = eagle3.split_held_out(shards, settings.holdout)
     if not train_shards:
         raise ValueError("--num-prompts: too few conversations to hold some out and train on the rest")
     vocab = engine.model_config.vocab_size
@@ -156,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         "conversations": len(shards),
         "train_conversations": len(train_shards),
         "held_out_conversations": len(eval_shards),
+        "dataset_answer_conversations": sum(p.name.startswith(eagle3.DATASET_ANSWER) for p in shards),
         "answer_tokens": answer_tokens,
         "draft_vocab_size": len(draft_ids),
         "ttt_steps": settings.ttt_steps,
