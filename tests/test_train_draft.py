@@ -2,6 +2,7 @@
 checkpoint layout the engine's eagle3 proposer loads, whose training forward is the engine's."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,6 +109,75 @@ def test_answers_are_recorded_as_a_teacher_forced_pass_would_capture_them(target
         assert torch.equal(shard["top_ids"][p - 1 :, 0], top_ids[p - 1 : -1, 0])  # the greedy token
         assert torch.equal(shard["top_ids"][p - 1 :, 0].long(), torch.tensor(ids[p:]))  # as answered
         assert not shard["top_probs"][: p - 1].any()  # prompt positions carry no label
+
+
+def test_dataset_answers_are_the_targets_teacher_forced_reading_of_them(target_dir, tmp_path):
+    """``--answers dataset``: a shard per conversation that has an answer, named by its prompt's
+    index, holding the prompt and the answer cut at max_tokens, the target's hidden states and
+    top-k over them as ``capture`` gives, labels on answer positions only; a rerun keeps them."""
+    engine = make_engine(target_dir)
+    settings = eagle3.TrainSettings(max_tokens=6, top_k=4)
+    chat = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
+    conversations = [(chat[0], PROMPTS[3] + " and more words here"), (chat[1], None), (chat[2], PROMPTS[4])]
+    shards = eagle3.collect_dataset_answers(engine, conversations, settings, tmp_path, progress=False)
+    assert [p.name for p in shards] == ["tf_000000.pt", "tf_000002.pt"]
+    layers = eagle3.head_layers(engine.model_config.num_hidden_layers)
+    for path, (messages, answer) in zip(shards, [conversations[0], conversations[2]]):
+        shard = torch.load(path)
+        prompt = engine.prompt_token_ids(messages)
+        ids = prompt + engine.tokenizer.encode(answer)[:6]
+        assert shard["ids"].tolist() == ids and shard["prompt_len"] == len(prompt)
+        hidden, top_ids, top_probs = eagle3.capture(engine, ids, layers, 4)
+        p = len(prompt)
+        assert torch.equal(shard["hidden"], hidden[:-1])
+        assert torch.equal(shard["top_ids"][p - 1 :], top_ids[p - 1 : -1])
+        assert torch.equal(shard["top_probs"][p - 1 :], top_probs[p - 1 : -1])
+        assert not shard["top_probs"][: p - 1].any() and not shard["top_ids"][: p - 1].any()
+    before = [p.stat().st_mtime for p in shards]
+    assert eagle3.collect_dataset_answers(engine, conversations, settings, tmp_path, progress=False) == shards
+    assert [p.stat().st_mtime for p in shards] == before
+    with pytest.raises(ValueError, match="--answers dataset: only sharegpt"):
+        eagle3.training_answers("gsm8k", 4)
+
+
+def test_sharegpt_gives_each_first_human_turn_with_the_reply_after_it():
+    """Prompts in the file's order (empty and over-long first turns skipped, a broken item passed
+    over), each with the reply that follows it, None where none does."""
+    items = [
+        [("human", "first"), ("gpt", "reply one")],
+        [("gpt", "a greeting"), ("human", "second"), ("human", "no reply")],
+        [("human", "")],
+        [("human", "x" * (eagle3.MAX_PROMPT_CHARS + 1)), ("gpt", "too long to ask")],
+        [("human", "third"), ("gpt", "  ")],
+        [("human", "fourth"), ("gpt", "reply four")],
+    ]
+    parts = [
+        "  "
+        + json.dumps(
+            {"id": str(i), "conversations": [{"from": f, "value": v} for f, v in turns]}, indent=2
+        ).replace("\n", "\n  ")
+        for i, turns in enumerate(items)
+    ]
+    parts.insert(5, '  {\n    "id": "cut", "conversations": [{"from": "human", "val')  # cut short
+    pairs = eagle3.parse_sharegpt("[\n" + ",\n".join(parts) + "\n]\n", 10)
+    assert [(m[0]["content"], a) for m, a in pairs] == [
+        ("first", "reply one"),
+        ("second", None),
+        ("third", None),
+        ("fourth", "reply four"),
+    ]
+    assert all(m[0]["role"] == "user" and len(m) == 1 for m, _ in pairs)
+    assert len(eagle3.parse_sharegpt("[\n" + ",\n".join(parts) + "\n]\n", 2)) == 2
+
+
+def test_the_held_out_set_is_the_targets_own_answers_and_its_prompts_train_on_nothing():
+    own = [Path(f"{i:06d}.pt") for i in range(10)]
+    dataset = [Path(f"tf_{i:06d}.pt") for i in range(20)]
+    train, held = eagle3.split_held_out(sorted(own + dataset), 0.2)
+    assert held == own[8:]
+    assert set(train) == set(own[:8] + dataset[:8] + dataset[10:])
+    assert eagle3.split_held_out(own, 0.2) == (own[:8], own[8:])  # as before there were two kinds
+    assert eagle3.split_held_out(dataset, 0.1) == (dataset[:18], dataset[18:])
 
 
 def test_precision_names_the_training_steps_matmuls():

@@ -142,6 +142,11 @@ def sharegpt_conversations(limit: int) -> list[tuple[list[dict], str | None]]:
         ) from None
     with open_dataset("rb") as f:
         text = f.read().decode("utf-8", errors="replace")
+    return parse_sharegpt(text, limit)
+
+
+def parse_sharegpt(text: str, limit: int) -> list[tuple[list[dict], str | None]]:
+    """``sharegpt_conversations`` of the file's text."""
     decoder = json.JSONDecoder()
     out: list[tuple[list[dict], str | None]] = []
     at = text.find("{")
