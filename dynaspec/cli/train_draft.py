@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
         choices=["target", "dataset"],
         help="who answers the prompts: target (it generates: self-distillation) or dataset (the "
         "dataset's own replies, which the target reads in one teacher-forced pass for its hidden "
-        "states and labels: about 3x the answer tokens a CPU second; sharegpt only). Shards of both "
+        "states and labels: about 2x the answer tokens a CPU second; sharegpt only). Shards of both "
         "kinds train together; the held-out ones are the target's own answers where there are any",
     )
     p.add_argument("--max-tokens", type=int, default=256, help="answer tokens per prompt")
