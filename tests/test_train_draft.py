@@ -180,6 +180,27 @@ def test_the_held_out_set_is_the_targets_own_answers_and_its_prompts_train_on_no
     assert eagle3.split_held_out(dataset, 0.1) == (dataset[:18], dataset[18:])
 
 
+def test_the_model_card_says_which_answers_the_head_learnt_from(target_dir, tmp_path):
+    target = target_config(target_dir)
+    draft_ids = torch.arange(40)
+    config = eagle3.head_config(target, len(draft_ids), 32)
+    card = {"target": "tiny", "command": "c", "dataset": "sharegpt", "conversations": 9}
+    card |= {"train_conversations": 7, "held_out_conversations": 1, "answer_tokens": 90}
+    card |= {"draft_vocab_size": 40, "steps": 3, "tokens": 20, "seconds": 1.0, "ttt_steps": 3}
+    card |= {"acceptance_untrained": [0.0], "acceptance": [0.1]}
+    for mixed, words in ((0, "(self-distillation)."), (5, "and on 5 of the dataset's own answers")):
+        model = eagle3.TrainableEagle3(config)
+        eagle3.write_checkpoint(
+            model,
+            config,
+            draft_ids,
+            target.vocab_size,
+            tmp_path,
+            card | {"dataset_answer_conversations": mixed},
+        )
+        assert words in (tmp_path / "README.md").read_text()
+
+
 def test_precision_names_the_training_steps_matmuls():
     assert not eagle3.autocast_of("float32")._enabled
     assert eagle3.autocast_of("bfloat16")._enabled

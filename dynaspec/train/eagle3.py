@@ -740,7 +740,13 @@ def write_checkpoint(
     lines = [f"# EAGLE-3 head for {card['target']}", ""]
     if "steps" in card:
         lines += [
-            "Trained by `dynaspec train-draft` on the target's own answers (self-distillation).",
+            "Trained by `dynaspec train-draft` on the target's own answers (self-distillation)"
+            + (
+                f" and on {card['dataset_answer_conversations']} of the dataset's own answers, "
+                "read by the target teacher-forced (its hidden states and next-token distributions)."
+                if card.get("dataset_answer_conversations")
+                else "."
+            ),
             "",
             f"- command: `{card['command']}`",
             f"- data: {card['dataset']}, {card['conversations']} conversations "
