@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         "conversations": len(shards),
         "train_conversations": len(train_shards),
         "held_out_conversations": len(eval_shards),
-        "dataset_answer_conversations": sum(p.name.startswith(eagle3.DATASET_ANSWER) for p in shards),
+        # trained on (a held-out prompt's dataset answer is not)
+        "dataset_answer_conversations": sum(p.name.startswith(eagle3.DATASET_ANSWER) for p in train_shards),
         "answer_tokens": answer_tokens,
         "draft_vocab_size": len(draft_ids),
         "ttt_steps": settings.ttt_steps,

@@ -262,13 +262,13 @@ def collect_dataset_answers(
                 continue
             hidden, top_ids, top_probs = capture(engine, tokens, layers, settings.top_k)
             labelled = torch.arange(len(tokens) - 1) >= len(prompt) - 1  # prompt positions: no label
-            shard = {
-                "ids": torch.tensor(tokens, dtype=torch.int32),
-                "prompt_len": len(prompt),
-                "hidden": hidden[:-1].clone(),  # the last token is never fed back
-                "top_ids": top_ids[:-1] * labelled[:, None],
-                "top_probs": top_probs[:-1] * labelled[:, None],
-            }
+            shard = conversation_shard(  # the last token is never fed back
+                tokens,
+                len(prompt),
+                hidden[:-1].clone(),
+                top_ids[:-1] * labelled[:, None],
+                top_probs[:-1] * labelled[:, None],
+            )
             save_shard(shard, data_dir / f"{DATASET_ANSWER}{i:06d}.pt")
             bar.update(1)
     return sorted(data_dir.glob("*.pt"))
@@ -329,11 +329,19 @@ class AnswerRecorder:
 
 
 def shard_of(request, hidden: torch.Tensor, top_ids: torch.Tensor, top_probs: torch.Tensor) -> dict:
-    """A conversation's shard: the finished ``request``'s ids (prompt and answer) and prompt
-    length, with its hidden states and the target's top-k per position."""
+    """The finished ``request``'s shard (``conversation_shard``)."""
+    tokens = request.prompt_token_ids + request.output_token_ids
+    return conversation_shard(tokens, len(request.prompt_token_ids), hidden, top_ids, top_probs)
+
+
+def conversation_shard(
+    tokens: list[int], prompt_len: int, hidden: torch.Tensor, top_ids: torch.Tensor, top_probs: torch.Tensor
+) -> dict:
+    """A conversation's shard: its ids (prompt and answer) and prompt length, with its hidden
+    states and the target's top-k per position."""
     return {
-        "ids": torch.tensor(request.prompt_token_ids + request.output_token_ids, dtype=torch.int32),
-        "prompt_len": len(request.prompt_token_ids),
+        "ids": torch.tensor(tokens, dtype=torch.int32),
+        "prompt_len": prompt_len,
         "hidden": hidden,
         "top_ids": top_ids,
         "top_probs": top_probs,
