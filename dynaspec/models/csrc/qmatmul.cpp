@@ -1,4 +1,4 @@
-// Weight-only quantized matmul with int8 activations and AVX-512 VNNI integer dot products.
+// Weight-only quantized matmul with int8 activations and AVX-512 (VNNI) integer dot products.
 //
 // Weights stay in their group-wise integer form (w = scale * code + offset, unsigned codes: 4-bit
 // as nibbles, 5/6-bit as nibbles plus a plane of top bits, others one byte per code), laid out by
@@ -30,7 +30,12 @@
 
 #include "ops.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define DYNASPEC_AVX512 1
+#else
+#define DYNASPEC_AVX512 0
+#endif
+#if DYNASPEC_AVX512 && defined(__AVX512VNNI__)
 #define DYNASPEC_AVX512_VNNI 1
 #else
 #define DYNASPEC_AVX512_VNNI 0
@@ -132,9 +137,10 @@ constexpr int64_t kRowChunk = 64;
 // With 1-byte codes (AVX-512) a prefill chunk is one part.
 constexpr int64_t kXqPartBytes = int64_t{16} << 20;
 
-// The ISA-specific half: AVX-512 VNNI (and AMX) where the compiler targets them, else AVX2
-// (qmatmul_avx2.h). Both read the same packed layout and give the same bits.
-#if DYNASPEC_AVX512_VNNI
+// The ISA-specific half: AVX-512 (with VNNI and AMX where the compiler targets them) else AVX2
+// (qmatmul_avx2.h). Both read the same packed layout and give the same bits. AVX-512 without VNNI
+// (Skylake-SP/X: AVX-512BW) forms each dot product as the AVX2 half does, on 512 bits (group_dot).
+#if DYNASPEC_AVX512
 
 constexpr int kXqBytes = 1;  // bytes of xq per activation code (see xq_at)
 
@@ -240,18 +246,76 @@ inline void unpack_group(const uint8_t* wp, uint8_t* dst) {
   for (int s = 0; s < G / 4; ++s) _mm512_store_si512(dst + 64 * s, v[s]);
 }
 
+// The 4 activation codes of step s of a group (xr: the group's first), in every int32 lane.
+inline __m512i xstep(const int8_t* xr, int s) {
+  int32_t four;
+  std::memcpy(&four, xr + 4 * s, 4);
+  return _mm512_set1_epi32(four);
+}
+
+#if !DYNASPEC_AVX512_VNNI
+// Steps whose int16 partial sums (vpmaddubsw) cannot saturate: each adds at most 2 x (2^bits - 1)
+// x 127 (8-bit codes go as two nibbles, so as 4-bit ones).
+constexpr int int16_steps(int bits) { return bits == 5 ? 4 : bits == 6 ? 2 : 8; }
+
+// The int16 products of steps [c0, c0 + n) of codes v with the row's activation codes, added pairwise
+// (a tree, not a chain of adds); f: the codes of a step as vpmaddubsw's unsigned operand.
+template <int N, typename F>
+inline __m512i int16_sum(const int8_t* xr, int c0, F f) {
+  __m512i p[N];
+  for (int s = 0; s < N; ++s) p[s] = _mm512_maddubs_epi16(f(c0 + s), xstep(xr, c0 + s));
+  for (int width = N / 2; width > 0; width /= 2)
+    for (int s = 0; s < width; ++s) p[s] = _mm512_add_epi16(p[s], p[s + width]);
+  return p[0];
+}
+#endif
+
+// Exact int32 sums, per column of a tile, of one group's codes (v, decode_codes) times one row's
+// activation codes (xr). With VNNI: vpdpbusd in two chains. Without: vpmaddubsw (pairs into int16,
+// in chunks that cannot saturate) then vpmaddwd (pairs into int32), as the AVX2 half on 512 bits.
+// The sums are the same integers either way.
+template <int BITS, int G>
+inline __m512i group_dot(const __m512i (&v)[G / 4], const int8_t* xr) {
+  constexpr int kSteps = G / 4;
+#if DYNASPEC_AVX512_VNNI
+  static_assert(kSteps % 2 == 0, "two chains take the steps in pairs");
+  __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+  for (int s = 0; s < kSteps; s += 2) {
+    d0 = _mm512_dpbusd_epi32(d0, v[s], xstep(xr, s));
+    d1 = _mm512_dpbusd_epi32(d1, v[s + 1], xstep(xr, s + 1));
+  }
+  return _mm512_add_epi32(d0, d1);
+#else
+  constexpr int kChunk = int16_steps(BITS) < kSteps ? int16_steps(BITS) : kSteps;
+  const __m512i ones = _mm512_set1_epi16(1);
+  __m512i acc = _mm512_setzero_si512();
+  if constexpr (BITS == 8) {  // u = 16 * (u >> 4) + (u & 15): two 4-bit dot products
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int c0 = 0; c0 < kSteps; c0 += kChunk) {
+      const __m512i hi = int16_sum<kChunk>(xr, c0, [&](int s) { return _mm512_and_si512(_mm512_srli_epi16(v[s], 4), low); });
+      const __m512i lo = int16_sum<kChunk>(xr, c0, [&](int s) { return _mm512_and_si512(v[s], low); });
+      acc = _mm512_add_epi32(acc, _mm512_madd_epi16(hi, _mm512_set1_epi16(16)));
+      acc = _mm512_add_epi32(acc, _mm512_madd_epi16(lo, ones));
+    }
+  } else {
+    for (int c0 = 0; c0 < kSteps; c0 += kChunk)
+      acc = _mm512_add_epi32(acc, _mm512_madd_epi16(int16_sum<kChunk>(xr, c0, [&](int s) { return v[s]; }), ones));
+  }
+  return acc;
+#endif
+}
+
 // R rows (1-3: a batch-1 decode, a speculative verify of a few positions): tile_step's operations
 // for r_end = r0 + R, with the accumulators in registers instead of memory and each group's dot
-// product split over two chains of vpdpbusd (the int32 sums are exact, so the result is the same
-// to the bit). A single row's loop was bound by those dependency chains, not by memory, and so
-// were two rows through tile_step's general loop (1.15-1.2x the time they take here).
+// product split over two chains of vpdpbusd (group_dot; the int32 sums are exact, so the result is
+// the same to the bit). A single row's loop was bound by those dependency chains, not by memory,
+// and so were two rows through tile_step's general loop (1.15-1.2x the time they take here).
 template <int BITS, int G, int MODE, int R>
 void tile_step_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups, const int8_t* xq,
                     const float* xs, const float* xc, int64_t r0, float* acc) {
   constexpr int kSteps = G / 4;
   constexpr int kTileBytes = tile_bytes<BITS, G>();
   constexpr int kWidth = kTilesPerStep * kLanes;
-  static_assert(kSteps % 2 == 0, "two chains take the steps in pairs");
   static_assert(R >= 1 && R <= 3, "the accumulators of up to three rows stay in registers");
   __m512 a[kTilesPerStep][R];
   for (int n = 0; n < kTilesPerStep; ++n)
@@ -266,16 +330,8 @@ void tile_step_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_
       load_scales<MODE>(st, tile + n, g, sup, vs, vo);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const int8_t* xr = xq + xq_at<G>(r0 + r, g, groups);
-        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
-        for (int s = 0; s < kSteps; s += 2) {
-          int32_t four[2];
-          std::memcpy(four, xr + 4 * s, 8);
-          d0 = _mm512_dpbusd_epi32(d0, wv[s], _mm512_set1_epi32(four[0]));
-          d1 = _mm512_dpbusd_epi32(d1, wv[s + 1], _mm512_set1_epi32(four[1]));
-        }
         const int64_t rg = (r0 + r) * groups + g;
-        a[n][r] = epilogue(a[n][r], _mm512_add_epi32(d0, d1), vs, vo, xs[rg], xc[rg]);
+        a[n][r] = epilogue(a[n][r], group_dot<BITS, G>(wv, xq + xq_at<G>(r0 + r, g, groups)), vs, vo, xs[rg], xc[rg]);
       }
     }
     if (++in_sup == st.super_groups) in_sup = 0, ++sup;
@@ -337,13 +393,15 @@ void tile_step(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t gro
     for (int64_t r = r_begin; r < r_end; ++r) {
       const int8_t* xr = xq + xq_at<G>(r, g, groups);
       __m512i dot[kTilesPerStep];
+#if DYNASPEC_AVX512_VNNI  // the tiles' chains side by side, each step's activations broadcast once
       for (int n = 0; n < kTilesPerStep; ++n) dot[n] = _mm512_setzero_si512();
       for (int s = 0; s < kSteps; ++s) {
-        int32_t four;
-        std::memcpy(&four, xr + 4 * s, 4);
-        const __m512i xb = _mm512_set1_epi32(four);
+        const __m512i xb = xstep(xr, s);
         for (int n = 0; n < kTilesPerStep; ++n) dot[n] = _mm512_dpbusd_epi32(dot[n], wv[n][s], xb);
       }
+#else
+      for (int n = 0; n < kTilesPerStep; ++n) dot[n] = group_dot<BITS, G>(wv[n], xr);
+#endif
       float* ar = acc + (r - r_begin) * kWidth;
       for (int n = 0; n < kTilesPerStep; ++n) {
         const __m512 a = _mm512_loadu_ps(ar + n * kLanes);
@@ -462,11 +520,11 @@ void run_amx(const int8_t* xq, const float* xs, const float* xc, int64_t rows, i
     _tile_release();
   });
 }
-#endif
+#endif  // DYNASPEC_AMX
 
 #else
 #include "qmatmul_avx2.h"
-#endif  // DYNASPEC_AVX512_VNNI
+#endif  // DYNASPEC_AVX512
 
 template <int BITS, int G, int MODE>
 void run(const at::Tensor& xf, const at::Tensor& w, const ScaleTable& st, int64_t tiles, at::Tensor& out,
