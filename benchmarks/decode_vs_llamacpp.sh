@@ -2,7 +2,8 @@
 # Figure: plain greedy decode tok/s at batch 1 and 8, dynaspec against llama.cpp on the same GGUF
 # file (results/README.md, "Plain decode against llama.cpp", rows "1.5B, bs 1" and "bs 8").
 # Measured on zen3 (2-core EPYC, Zen 3; results/zen3/bench_decode.json), zen4 (with --repeats 5),
-# xeon and zen5; about 5 minutes on 2 cores (estimate). The llama.cpp column needs scripts/setup-llamacpp.sh.
+# xeon, zen5 and skx; about 5 minutes on 2 cores (estimate; 8 measured on skx). The llama.cpp column
+# needs scripts/setup-llamacpp.sh.
 # The record's other rows add --context 8000 --batch-sizes 1, or --model qwen2.5-coder-0.5b-instruct.
 #   bash benchmarks/decode_vs_llamacpp.sh [result-stem]   (default bench-results/decode_vs_llamacpp)
 # Writes <stem>.json.
