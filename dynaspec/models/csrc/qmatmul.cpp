@@ -137,6 +137,11 @@ constexpr int64_t kRowChunk = 64;
 // With 1-byte codes (AVX-512) a prefill chunk is one part.
 constexpr int64_t kXqPartBytes = int64_t{16} << 20;
 
+// Without VNNI (the AVX2 half, AVX-512 without VNNI) dot products go through vpmaddubsw: the steps
+// whose int16 partial sums cannot saturate, each adding at most 2 x (2^bits - 1) x 127 (8-bit codes
+// go as two nibbles, so as 4-bit ones).
+constexpr int int16_steps(int bits) { return bits == 5 ? 4 : bits == 6 ? 2 : 8; }
+
 // The ISA-specific half: AVX-512 (with VNNI and AMX where the compiler targets them) else AVX2
 // (qmatmul_avx2.h). Both read the same packed layout and give the same bits. AVX-512 without VNNI
 // (Skylake-SP/X: AVX-512BW) forms each dot product as the AVX2 half does, on 512 bits (group_dot).
@@ -254,10 +259,6 @@ inline __m512i xstep(const int8_t* xr, int s) {
 }
 
 #if !DYNASPEC_AVX512_VNNI
-// Steps whose int16 partial sums (vpmaddubsw) cannot saturate: each adds at most 2 x (2^bits - 1)
-// x 127 (8-bit codes go as two nibbles, so as 4-bit ones).
-constexpr int int16_steps(int bits) { return bits == 5 ? 4 : bits == 6 ? 2 : 8; }
-
 // The int16 products of steps [c0, c0 + n) of codes v with the row's activation codes, added pairwise
 // (a tree, not a chain of adds); f: the codes of a step as vpmaddubsw's unsigned operand.
 template <int N, typename F>

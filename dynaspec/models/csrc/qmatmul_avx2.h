@@ -1,6 +1,6 @@
 // qmatmul.cpp's ISA-specific half for CPUs without AVX-512 VNNI: AVX2 with FMA and F16C (every
 // x86-64 CPU since 2013-2015: Haswell, Zen). Included by qmatmul.cpp inside its namespace, after
-// the shared definitions (ScaleTable, tile_slot, tile_bytes, xq_at, prefetch_group).
+// the shared definitions (ScaleTable, tile_slot, tile_bytes, xq_at, prefetch_group, int16_steps).
 //
 // Same packed layout, same arithmetic, same bits as the AVX-512 half: a tile's 16 columns are two
 // 256-bit halves of 8 (each step's 64 bytes are [column][4 codes], so bytes 0-31 are columns 0-7),
@@ -165,9 +165,6 @@ inline void prefetch_scales(const ScaleTable& t, int64_t tile, int64_t g) {
     if constexpr (kFields == 2) _mm_prefetch(reinterpret_cast<const char*>(t.f32 + sup + kLanes), _MM_HINT_T0);
   }
 }
-
-// Steps whose int16 partial sums cannot saturate: each adds at most 2 x (2^bits - 1) x 127.
-constexpr int int16_steps(int bits) { return bits == 5 ? 4 : bits == 6 ? 2 : 8; }
 
 // Exact int32 sums, per column of a half, of the group's codes times the row's activation codes
 // (xr: the row's broadcast codes of the group).
