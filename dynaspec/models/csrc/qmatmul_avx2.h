@@ -1,4 +1,4 @@
-// qmatmul.cpp's ISA-specific half for CPUs without AVX-512 VNNI: AVX2 with FMA and F16C (every
+// qmatmul.cpp's ISA-specific half for CPUs without AVX-512BW: AVX2 with FMA and F16C (every
 // x86-64 CPU since 2013-2015: Haswell, Zen). Included by qmatmul.cpp inside its namespace, after
 // the shared definitions (ScaleTable, tile_slot, tile_bytes, xq_at, prefetch_group, int16_steps).
 //
