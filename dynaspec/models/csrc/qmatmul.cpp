@@ -308,9 +308,10 @@ inline __m512i group_dot(const __m512i (&v)[G / 4], const int8_t* xr) {
 
 // R rows (1-3: a batch-1 decode, a speculative verify of a few positions): tile_step's operations
 // for r_end = r0 + R, with the accumulators in registers instead of memory and each group's dot
-// product split over two chains of vpdpbusd (group_dot; the int32 sums are exact, so the result is
-// the same to the bit). A single row's loop was bound by those dependency chains, not by memory,
-// and so were two rows through tile_step's general loop (1.15-1.2x the time they take here).
+// product from group_dot (with VNNI two chains of vpdpbusd; the int32 sums are exact, so the result
+// is the same to the bit). With VNNI a single row's loop was bound by those dependency chains, not
+// by memory, and so were two rows through tile_step's general loop (1.15-1.2x the time they take
+// here); the limit of 3 rows was measured there, not on a CPU without VNNI.
 template <int BITS, int G, int MODE, int R>
 void tile_step_rows(const uint8_t* w, const ScaleTable& st, int64_t tile, int64_t groups, const int8_t* xq,
                     const float* xs, const float* xc, int64_t r0, float* acc) {
