@@ -4,7 +4,7 @@
 # tables), greedy, 128 tokens, 8 x C prompts, 2 rounds:
 #   mixed: HumanEval and MT-Bench alternating, configs none,goodput,per-request (zen4/sweep_mixed_10.json)
 #   cross: the HumanEval profile on MT-Bench traffic, configs none,K=1,K=3,goodput,per-request
-#          (zen4/sweep_cross_mtbench_6.json; its profile, zen4's profile_qwen_pair_humaneval_4.json, is
+#          (zen4/sweep_cross_mtbench_6.json.gz; its profile, zen4's profile_qwen_pair_humaneval_4.json, is
 #          only in history: `git show e12b4e2:results/epyc/profile_qwen_pair_humaneval_4.json`)
 # Measured on zen4 (2-core EPYC, Zen 4) with results/zen4/profile_qwen_pair_humaneval_7.json (mixed);
 # about 10 (mixed) to 20 (cross) minutes there (estimate). A profile is machine-specific: on another machine pass your own.

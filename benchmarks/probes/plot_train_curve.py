@@ -4,13 +4,14 @@ a new held-out set (two points at one step): each held-out set is drawn as its o
 ``--segments`` naming them (e.g. the conversations trained on), since their figures do not compare.
 
     .venv/bin/python benchmarks/probes/plot_train_curve.py \
-        results/xeon/eagle41d/train_draft_log_2107.json docs/train_draft_curve.png \
+        results/xeon/eagle41d/train_draft_log_2107.json.gz docs/train_draft_curve.png \
         --segments "928 conv.,1262 conv.,2002 conv."
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def segments(curve: list[dict]) -> list[list[dict]]:
 
 
 def main(log_path: str, out: str, names: list[str]) -> None:
-    card = json.loads(Path(log_path).read_text())
+    data = Path(log_path).read_bytes()
+    card = json.loads(gzip.decompress(data) if log_path.endswith(".gz") else data)
     parts = segments(card["curve"])
     fig, ax = plt.subplots(figsize=(8.5, 4.4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from dynaspec.bench.common import command_args, format_table, write_result
+from dynaspec.bench.common import command_args, format_table, save_plot, write_result
 
 # (out, in) of the Qwen2.5-Coder-1.5B linear layers
 SHAPES = {
@@ -253,5 +253,5 @@ def _plot(records: list[dict], shapes: list[str], paths: list[str], path: str) -
     axes[0][0].set_ylabel("ms per forward (median)")
     axes[0][0].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, path)
     print(f"plot written to {path}")

@@ -33,7 +33,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from dynaspec.bench.common import format_table, write_result
+from dynaspec.bench.common import format_table, save_plot, write_result
 from dynaspec.kpolicy.goodput import GoodputK
 from dynaspec.kpolicy.hysteresis import Hysteresis
 from dynaspec.kpolicy.profile import interpolate_itl, load_profile, smooth_itl
@@ -400,4 +400,4 @@ def _plot(results: list[dict], counts: list[int], traffics: list[str], path: str
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, path)

@@ -30,6 +30,7 @@ from dynaspec.bench.common import (
     format_table,
     k_policies,
     profile_path,
+    save_plot,
     write_result,
 )
 from dynaspec.engine.args import add_engine_args
@@ -528,5 +529,4 @@ def plot_rollout(records: list[dict], path: str) -> None:
     top.legend(fontsize=8)
     top.set_title("rollout: the batch drains to a tail (first round)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_plot(fig, path)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dynaspec.bench.common import command_args, format_table, free_port, write_result
+from dynaspec.bench.common import command_args, format_table, free_port, save_plot, write_result
 from dynaspec.bench.soak_traffic import (
     CHAT_VARIANTS,
     FALLBACK_CONTEXT,
@@ -397,8 +397,7 @@ def plot(samples: list[Sample], path: Path, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_plot(fig, path, dpi=100)
     print(f"plot written to {path}")
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from dynaspec.bench.common import DYNAMIC_CONFIGS, command_args, k_policies, profile_path
+from dynaspec.bench.common import DYNAMIC_CONFIGS, command_args, k_policies, profile_path, save_plot
 from dynaspec.engine.args import add_engine_args
 
 TABLE_HEADER = (
@@ -482,8 +482,7 @@ def plot_sweep(report: dict, path: str) -> None:
     ax_tp.legend(fontsize=8)
     fig.suptitle("dynaspec concurrency sweep")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_plot(fig, path)
 
 
 def _ints(text: str, flag: str, least: int = 1) -> list[int]:

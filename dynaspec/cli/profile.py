@@ -144,6 +144,7 @@ def plot_goodput(profile, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dynaspec.bench.common import save_plot
     from dynaspec.kpolicy.profile import acceptance_length, best_k, smooth_itl
 
     sizes = sorted(profile.batch_stats)
@@ -173,5 +174,4 @@ def plot_goodput(profile, path: str) -> None:
     ax_k.set_xlabel("decoding requests (batch size)")
     ax_k.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_plot(fig, path)
