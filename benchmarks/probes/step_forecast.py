@@ -16,7 +16,8 @@ or, where it priced each row by its match, its match calibration's rates of the 
         --speculative-config '{"method":"ngram","num_speculative_tokens":5}' --dataset mtbench \\
         --concurrency 8 --prompts 16 --configs K=0,K=2,per-request --rounds 2 --out forecast.json
 
-``--temperature 1.0`` samples (seed 0), as a rollout does.
+``--temperature 1.0`` samples (seed 0) and ``--ignore-eos`` runs every request to --max-tokens, as
+the long-tailed rollout (`bench rollout --lengths longtail`) does.
 """
 
 import argparse
@@ -94,11 +95,15 @@ class Recorder:
         self._observe(record)
 
 
-def run(engine, policy, prompts, concurrency: int, max_tokens: int, temperature: float = 0.0) -> tuple[int, float]:
+def run(
+    engine, policy, prompts, concurrency: int, max_tokens: int, temperature: float = 0.0, ignore_eos=False
+) -> tuple[int, float]:
     """One closed loop with ``policy`` (``bench sweep``'s): output tokens and wall seconds. Sampled
     (``temperature`` > 0) at seed 0, so every configuration emits the same text."""
     engine.set_k_policy(policy)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0 if temperature else None)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, seed=0 if temperature else None, ignore_eos=ignore_eos
+    )
     wall, requests, _ = closed_loop(engine, prompts, concurrency, params)
     return sum(len(r.output_token_ids) for r in requests), wall
 
@@ -135,6 +140,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, seed 0 (a rollout's steps)")
+    p.add_argument("--ignore-eos", action="store_true", help="each request runs to --max-tokens")
     p.add_argument(
         "--configs",
         default="K=0,K=2,per-request",
@@ -159,7 +165,9 @@ def main() -> None:
         for name in names if rnd % 2 == 0 else names[::-1]:
             policy = makers[name]()
             Recorder(policy, GoodputK(profile, 5, live_cells=False), steps[name])
-            tokens, wall = run(engine, policy, prompts, args.concurrency, args.max_tokens, args.temperature)
+            tokens, wall = run(
+                engine, policy, prompts, args.concurrency, args.max_tokens, args.temperature, args.ignore_eos
+            )
             rates[name].append(tokens / wall)
             cells = policy.snapshot().get("live_cells") if isinstance(policy, GoodputK) else None
             print(
