@@ -99,8 +99,13 @@ def run(
     engine, policy, prompts, concurrency: int, max_tokens: int, temperature: float = 0.0, ignore_eos=False
 ) -> tuple[int, float]:
     """One closed loop with ``policy`` (``bench sweep``'s): output tokens and wall seconds. Sampled
-    (``temperature`` > 0) at seed 0, so every configuration emits the same text."""
+    (``temperature`` > 0) at seed 0, so every configuration emits the same text. The proposer's
+    memory of earlier outputs (a suffix cache) and the prompts' cached blocks are cleared first, as
+    `bench sweep` clears them, or a configuration would draft from another's identical answers."""
     engine.set_k_policy(policy)
+    if engine.proposer is not None:
+        engine.proposer.reset()
+    engine.reset_prefix_cache()
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, seed=0 if temperature else None, ignore_eos=ignore_eos
     )
