@@ -42,7 +42,7 @@ from pydantic.dataclasses import dataclass
 
 from dynaspec.kpolicy.acceptance import held_non_increasing
 from dynaspec.kpolicy.context import ContextCost, fit_context_cost, fit_context_cost_by_batch
-from dynaspec.kpolicy.cost import FIT_TOLERANCE, FIT_TOLERANCE_MS, GridBounds, grid_misfit
+from dynaspec.kpolicy.cost import FIT_TOLERANCE, FIT_TOLERANCE_MS, OUTLIER_ROWS_FROM, GridBounds, grid_misfit
 
 log = logging.getLogger(__name__)
 COST_MODEL_KEYS = ("target_ms", "draft_pass_ms")
@@ -194,7 +194,9 @@ def checked_cost_model(profile: Profile, name: str) -> dict[str, list[float]] | 
     Negative slopes are set to 0 and intercepts put within what the grid allows
     (``cost.GridBounds``); the result must then predict every cell of the grid within
     ``cost.FIT_TOLERANCE`` (or ``FIT_TOLERANCE_MS``) after one constant step overhead
-    (``cost.grid_misfit``). A repair or a fallback is logged as a warning naming the profile.
+    (``cost.grid_misfit``), but for one row of a grid of ``cost.OUTLIER_ROWS_FROM`` rows or more,
+    which then is the row out of line (as ``cost.without_outlying_row`` leaves it out of a fit
+    from the grid). A repair, a row let off or a fallback is logged as a warning naming the profile.
     A profile without a grid keeps its model as it is.
     """
     model = profile.cost_model
@@ -203,6 +205,16 @@ def checked_cost_model(profile: Profile, name: str) -> dict[str, list[float]] | 
     grid = smooth_itl(profile.batch_stats)
     target, draft = GridBounds.of(grid).clamp(model["target_ms"], model["draft_pass_ms"])
     misfit = grid_misfit(target, draft, grid)
+    rows = {cell[0] for cell in misfit}
+    if len(rows) == 1 and len(grid) >= OUTLIER_ROWS_FROM:  # the row every other row contradicts
+        log.warning(
+            "dynaspec: profile %s: its cost model agrees with every row of its ITL grid but batch "
+            "size %d's (%d cells off), taken as timed while something else held the cores",
+            name,
+            rows.pop(),
+            len(misfit),
+        )
+        misfit = []
     if misfit:
         bs, k, predicted, measured = max(misfit, key=lambda c: abs(c[2] - c[3]) / c[3])
         log.warning(

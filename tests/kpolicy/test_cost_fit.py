@@ -28,6 +28,7 @@ from dynaspec.kpolicy.goodput import GoodputK
 from dynaspec.kpolicy.profile import (
     Profile,
     acceptance_length,
+    checked_cost_model,
     derive_table,
     interpolate_itl,
     load_profile,
@@ -230,3 +231,70 @@ def test_steady_state_k_equals_the_derived_table_over_random_profiles():
             assert steady_k(policy, bs, timing) == wanted, (profile, bs)
             checked += 1
     assert checked > 100
+
+
+OUTLIER_ROW = FIXTURES / "profile_auto_pair_zen4_outlier_row.json"  # = results/zen4/longtail40/
+
+
+def test_a_grid_fit_leaves_out_the_row_every_other_row_contradicts():
+    """The zen4 auto profile timed ITL(24, 1..4) at 1,046-1,160 ms beside ITL(16, 1) 310 ms: fitted
+    with that row the drafter pass came out free (all of it in the verified token), so a drafter
+    layer of one row was priced at a quarter of its cost. Without the row the fit agrees with the
+    profile's own timed passes (13.7 ms + 1.7 a row in its notice)."""
+    profile = load_profile(OUTLIER_ROW)
+    grid = smooth_itl(profile.batch_stats)
+    target, draft = prior_from_grid(grid, profile.catchup_ms_per_token)
+    assert draft[0] == pytest.approx(14.0, abs=1.0) and draft[1] == pytest.approx(1.7, abs=0.3)
+    rest = {bs: row for bs, row in grid.items() if bs != 24}
+    assert grid_misfit(target, draft, rest) == []
+    assert {cell[0] for cell in grid_misfit(target, draft, grid)} == {24}
+    # the policy then prices a drafter layer of one row at about one pass
+    policy = GoodputK(profile, 5)
+    lone_layer = policy.drafted_cost(4, (4, 1)) - policy.drafted_cost(4, (4,))
+    assert lone_layer > 0.8 * (draft[0] + draft[1])
+
+
+def test_a_grid_of_few_rows_or_two_rows_out_of_line_is_fitted_whole():
+    truth = {bs: {k: 20.0 + 3.0 * bs * (k + 1) + k * (8.0 + bs) for k in range(6)} for bs in (1, 2, 4, 8, 16)}
+    assert prior_from_grid(truth)[1][:2] == pytest.approx([8.0, 1.0], abs=1e-3)
+    one_off = {
+        bs: {k: ms * (3.0 if bs == 16 and k else 1.0) for k, ms in row.items()} for bs, row in truth.items()
+    }
+    assert prior_from_grid(one_off)[1][:2] == pytest.approx([8.0, 1.0], abs=1e-3)  # fitted without bs 16
+    four_rows = {bs: row for bs, row in one_off.items() if bs != 1}
+    assert prior_from_grid(four_rows)[1][:2] != pytest.approx([8.0, 1.0], abs=0.5)
+    two_off = {
+        bs: {k: ms * (3.0 if bs in (8, 16) and k else 1.0) for k, ms in row.items()}
+        for bs, row in truth.items()
+    }
+    assert prior_from_grid(two_off)[1][:2] != pytest.approx([8.0, 1.0], abs=0.5)
+
+
+def test_a_cost_model_only_one_row_contradicts_is_kept(caplog):
+    """The check reads the smoothed grid, whose columns rise with bs: a row out of line below the
+    top one is pooled with the rows above it, and two rows contradict the model (a fallback)."""
+    truth = {bs: {k: 20.0 + 3.0 * bs * (k + 1) + k * (8.0 + bs) for k in range(6)} for bs in (1, 2, 4, 8, 16)}
+    model = {"target_ms": [20.0, 3.0, 3.0], "draft_pass_ms": [8.0, 1.0, 0.5]}
+
+    def with_grid(grid):
+        return Profile(
+            max_num_speculative_tokens=5,
+            acceptance_rate_per_pos=[0.8, 0.7, 0.6, 0.5, 0.4],
+            batch_stats=grid,
+            num_speculative_tokens_per_batch_size=[[1, 16, 1]],
+            cost_model=model,
+        )
+
+    one_off = {
+        bs: {k: ms * (3.0 if bs == 16 and k else 1.0) for k, ms in row.items()} for bs, row in truth.items()
+    }
+    with caplog.at_level(logging.WARNING):
+        assert checked_cost_model(with_grid(one_off), "one_off") == model
+    assert any("batch size 16" in r.getMessage() for r in caplog.records)
+    two_off = {
+        bs: {k: ms * (3.0 if bs in (8, 16) and k else 1.0) for k, ms in row.items()}
+        for bs, row in truth.items()
+    }
+    assert checked_cost_model(with_grid(two_off), "two_off") is None
+    few = {bs: row for bs, row in one_off.items() if bs != 1}
+    assert checked_cost_model(with_grid(few), "few") is None
