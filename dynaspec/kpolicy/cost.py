@@ -485,20 +485,11 @@ def without_outlying_row(
         candidate = fit(rest)
         if grid_misfit(*candidate, rest):
             continue
+        # the left-out row against the fit without it (the step overhead read from the whole grid)
         miss = max(
-            (
-                abs(predicted - measured) / measured
-                for _, _, predicted, measured in row_misfit(candidate, bs, batch_stats)
-            ),
+            (abs(p - ms) / ms for row, _, p, ms in grid_misfit(*candidate, batch_stats) if row == bs),
             default=0.0,
         )
         if miss > best_miss:
             best, best_miss = candidate, miss
     return best
-
-
-def row_misfit(
-    model: tuple[list[float], list[float]], bs: int, batch_stats: dict[int, dict[int, float]]
-) -> list[tuple[int, int, float, float]]:
-    """``grid_misfit``'s cells of row bs, the model's step overhead read from the whole grid."""
-    return [cell for cell in grid_misfit(*model, batch_stats) if cell[0] == bs]
