@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -444,7 +444,7 @@ def prior_from_grid(
     per-request policy drafted ragged, deep rows at four requests at 0.82x none's speed (the
     results diary, "The long-tailed code rollout on a slower zen4 host").
     """
-    return without_outlying_row(batch_stats, lambda grid: _fit_grid(grid, catchup_ms_per_token))
+    return without_outlying_row(batch_stats, catchup_ms_per_token)
 
 
 def _fit_grid(
@@ -468,21 +468,20 @@ OUTLIER_ROWS_FROM = 5  # rows a grid needs before one of them may be left out of
 
 
 def without_outlying_row(
-    batch_stats: dict[int, dict[int, float]],
-    fit: Callable[[dict[int, dict[int, float]]], tuple[list[float], list[float]]],
+    batch_stats: dict[int, dict[int, float]], catchup_ms_per_token: float | None
 ) -> tuple[list[float], list[float]]:
-    """``fit`` over the grid, or, where that misprices a cell (``grid_misfit``) and a fit over
+    """The grid's fit (``_fit_grid``), or, where that misprices a cell (``grid_misfit``) and a fit over
     the grid less one batch size's row prices every other cell, that fit: the left-out row was
     timed while something else held the cores. Of several such rows, the one its fit misses by
     the most. Grids of fewer than ``OUTLIER_ROWS_FROM`` rows are fitted whole: without one of 4
     rows, a zen3 profile's 3 left an intercept above its batch-1 step."""
-    whole = fit(batch_stats)
+    whole = _fit_grid(batch_stats, catchup_ms_per_token)
     if len(batch_stats) < OUTLIER_ROWS_FROM or not grid_misfit(*whole, batch_stats):
         return whole
     best, best_miss = whole, 0.0
     for bs in sorted(batch_stats):
         rest = {b: row for b, row in batch_stats.items() if b != bs}
-        candidate = fit(rest)
+        candidate = _fit_grid(rest, catchup_ms_per_token)
         if grid_misfit(*candidate, rest):
             continue
         # the left-out row against the fit without it (the step overhead read from the whole grid)

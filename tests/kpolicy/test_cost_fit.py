@@ -254,26 +254,30 @@ def test_a_grid_fit_leaves_out_the_row_every_other_row_contradicts():
     assert lone_layer > 0.8 * (draft[0] + draft[1])
 
 
-def test_a_grid_of_few_rows_or_two_rows_out_of_line_is_fitted_whole():
-    truth = {bs: {k: 20.0 + 3.0 * bs * (k + 1) + k * (8.0 + bs) for k in range(6)} for bs in (1, 2, 4, 8, 16)}
-    assert prior_from_grid(truth)[1][:2] == pytest.approx([8.0, 1.0], abs=1e-3)
-    one_off = {
-        bs: {k: ms * (3.0 if bs == 16 and k else 1.0) for k, ms in row.items()} for bs, row in truth.items()
+# a grid of 5 rows that obeys target 20 + 3 ms a verified token and a drafter pass of 8 + 1 ms a row
+TRUTH = {bs: {k: 20.0 + 3.0 * bs * (k + 1) + k * (8.0 + bs) for k in range(6)} for bs in (1, 2, 4, 8, 16)}
+
+
+def drafting_rows_off(grid: dict, sizes: tuple[int, ...]) -> dict:
+    """The grid with the drafting cells (K >= 1) of the rows ``sizes`` three times their cost."""
+    return {
+        bs: {k: ms * (3.0 if bs in sizes and k else 1.0) for k, ms in row.items()} for bs, row in grid.items()
     }
+
+
+def test_a_grid_of_few_rows_or_two_rows_out_of_line_is_fitted_whole():
+    assert prior_from_grid(TRUTH)[1][:2] == pytest.approx([8.0, 1.0], abs=1e-3)
+    one_off = drafting_rows_off(TRUTH, (16,))
     assert prior_from_grid(one_off)[1][:2] == pytest.approx([8.0, 1.0], abs=1e-3)  # fitted without bs 16
     four_rows = {bs: row for bs, row in one_off.items() if bs != 1}
     assert prior_from_grid(four_rows)[1][:2] != pytest.approx([8.0, 1.0], abs=0.5)
-    two_off = {
-        bs: {k: ms * (3.0 if bs in (8, 16) and k else 1.0) for k, ms in row.items()}
-        for bs, row in truth.items()
-    }
+    two_off = drafting_rows_off(TRUTH, (8, 16))
     assert prior_from_grid(two_off)[1][:2] != pytest.approx([8.0, 1.0], abs=0.5)
 
 
 def test_a_cost_model_only_one_row_contradicts_is_kept(caplog):
     """The check reads the smoothed grid, whose columns rise with bs: a row out of line below the
     top one is pooled with the rows above it, and two rows contradict the model (a fallback)."""
-    truth = {bs: {k: 20.0 + 3.0 * bs * (k + 1) + k * (8.0 + bs) for k in range(6)} for bs in (1, 2, 4, 8, 16)}
     model = {"target_ms": [20.0, 3.0, 3.0], "draft_pass_ms": [8.0, 1.0, 0.5]}
 
     def with_grid(grid):
@@ -285,16 +289,11 @@ def test_a_cost_model_only_one_row_contradicts_is_kept(caplog):
             cost_model=model,
         )
 
-    one_off = {
-        bs: {k: ms * (3.0 if bs == 16 and k else 1.0) for k, ms in row.items()} for bs, row in truth.items()
-    }
+    one_off = drafting_rows_off(TRUTH, (16,))
     with caplog.at_level(logging.WARNING):
         assert checked_cost_model(with_grid(one_off), "one_off") == model
     assert any("batch size 16" in r.getMessage() for r in caplog.records)
-    two_off = {
-        bs: {k: ms * (3.0 if bs in (8, 16) and k else 1.0) for k, ms in row.items()}
-        for bs, row in truth.items()
-    }
+    two_off = drafting_rows_off(TRUTH, (8, 16))
     assert checked_cost_model(with_grid(two_off), "two_off") is None
     few = {bs: row for bs, row in one_off.items() if bs != 1}
     assert checked_cost_model(with_grid(few), "few") is None
