@@ -50,7 +50,7 @@ from dynaspec.kpolicy.profile import (
     context_cost_by_batch_of,
     context_cost_of,
     derive_table,
-    implausible_plain_steps,
+    implausible_steps,
     load_profile,
     rows_out_of_line,
     save_profile,
@@ -734,7 +734,7 @@ def auto_profile(engine: Engine, spec: SpeculativeConfig) -> Profile:
             log.warning("dynaspec: the cached profile is unreadable (%s); profiling again", e)
             path.unlink(missing_ok=True)  # not read again, should this profile not be cached either
         else:
-            implausible = implausible_plain_steps(cached.batch_stats)
+            implausible = implausible_steps(cached.batch_stats)
             if not implausible:
                 return cached
             log.warning(
@@ -756,10 +756,10 @@ def auto_profile(engine: Engine, spec: SpeculativeConfig) -> Profile:
     profile = run_profile(
         engine, prompts, settings, {"auto_key": key}, progress=engine.config.progress, name=str(path)
     )
-    implausible = implausible_plain_steps(profile.batch_stats)
+    implausible = implausible_steps(profile.batch_stats)
     if implausible:  # measured under load: used for this run only, so that the next start measures again
         log.warning(
-            "dynaspec: the profile's plain steps look timed while something else held the cores (%s); "
+            "dynaspec: the profile's steps look timed while something else held the cores (%s); "
             "it prices this run but is not cached: the next start profiles again",
             "; ".join(implausible),
         )

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 from support.engine import GREEDY, PROMPTS, make_engine, run_alone, run_staggered
@@ -346,18 +347,24 @@ LOADED_GRIDS = [{1: 86.3, 2: 1135.0, 4: 2531.7}, {1: 687.9, 2: 2500.5, 4: 991.8}
 QUIET_GRIDS = [{1: 82.8, 2: 110.2, 4: 202.7, 8: 345.9, 12: 478.0}, {1: 29.1, 2: 30.0, 4: 33.4, 8: 44.0}]
 
 
-def test_implausible_plain_steps_name_the_cells_a_loaded_machine_timed():
-    from dynaspec.kpolicy.profile import implausible_plain_steps
+def test_implausible_steps_name_the_cells_a_loaded_machine_timed():
+    from dynaspec.kpolicy.profile import implausible_steps
 
     def grid(plain):
         return {bs: {0: ms, 1: 2 * ms} for bs, ms in plain.items()}
 
-    dearer, cheaper = (implausible_plain_steps(grid(g)) for g in LOADED_GRIDS)
-    assert dearer == ["ITL(2, 0) = 1135.0 ms > 1.5 x 2/1 x ITL(1, 0) = 86.3 ms"]
+    dearer, cheaper = (implausible_steps(grid(g)) for g in LOADED_GRIDS)
+    assert dearer == [
+        "ITL(2, 0) = 1135.0 ms > 1.5 x 2/1 x ITL(1, 0) = 86.3 ms",
+        "ITL(2, 1) = 2270.0 ms > 1.5 x 2/1 x ITL(1, 1) = 172.6 ms",  # every column judged
+    ]
     assert cheaper[1] == "ITL(4, 0) = 991.8 ms < 0.7 x ITL(2, 0) = 2500.5 ms"
-    assert all(implausible_plain_steps(grid(g)) == [] for g in QUIET_GRIDS)
-    assert implausible_plain_steps({1: {1: 5.0}, 2: {1: 500.0}}) == []  # no plain cells: nothing to judge
-    assert implausible_plain_steps(grid({1: 1.0, 2: 9.0, 4: 2.0})) == []  # a tiny model's jitter, in ms
+    assert all(implausible_steps(grid(g)) == [] for g in QUIET_GRIDS)
+    # a drafting column is judged as the plain one: 500 ms for two requests where one took 5
+    assert implausible_steps({1: {1: 5.0}, 2: {1: 500.0}}) == [
+        "ITL(2, 1) = 500.0 ms > 1.5 x 2/1 x ITL(1, 1) = 5.0 ms"
+    ]
+    assert implausible_steps(grid({1: 1.0, 2: 6.0, 4: 2.0})) == []  # a tiny model's jitter, in ms
 
 
 def test_rows_out_of_line_name_the_row_both_neighbours_disagree_with_else_both():
@@ -372,8 +379,28 @@ def test_rows_out_of_line_name_the_row_both_neighbours_disagree_with_else_both()
     assert rows_out_of_line(grid({16: 55.2, 24: 369.8, 32: 246.6})) == [24]
     assert rows_out_of_line(grid({16: 55.2, 24: 210.0, 32: 246.6})) == [16, 24]  # 24 fixed, 16 still off
     assert rows_out_of_line(grid(LOADED_GRIDS[1])) == [2]
+    # a row out of line in its drafting cells only, the plain cell plausible: named by its pairs
+    drafting = {16: {0: 121.1, 1: 310.0, 2: 430.4}, 24: {0: 173.5, 1: 1091.5, 2: 1068.7}}
+    assert rows_out_of_line(drafting) == [16, 24]  # one pair (in two columns) names both
+    drafting[32] = {0: 230.0, 1: 560.0, 2: 780.0}  # 24's drafting cells above 32's too: 24 alone
+    assert rows_out_of_line(drafting) == [24]
     assert rows_out_of_line(grid(LOADED_GRIDS[0])) == [1, 2]  # one pair: which one is wrong is unknown
     assert all(rows_out_of_line(grid(g)) == [] for g in QUIET_GRIDS)
+
+
+def test_the_zen4_profile_whose_drafting_row_was_cached_is_now_judged_implausible():
+    """zen4's auto profile of the pair (results/zen4/longtail40/auto_profile_pair.json) timed
+    ITL(24, 1..2) at 1,069-1,092 ms beside ITL(16, 1..2) of 310-430 with ITL(24, 0) plausible: the
+    plain column alone passed it and it was cached. Every column judged, it is named."""
+    from dynaspec.kpolicy.profile import implausible_steps, load_profile
+
+    profile = load_profile(Path(__file__).parents[1] / "fixtures" / "profile_auto_pair_zen4_outlier_row.json")
+    plain = {bs: {0: row[0]} for bs, row in profile.batch_stats.items()}
+    assert implausible_steps(plain) == []
+    assert implausible_steps(profile.batch_stats) == [
+        "ITL(24, 1) = 1091.5 ms > 1.5 x 24/16 x ITL(16, 1) = 310.0 ms",
+        "ITL(24, 2) = 1068.7 ms > 1.5 x 24/16 x ITL(16, 2) = 430.4 ms",
+    ]
 
 
 def test_rows_out_of_line_are_timed_again_whole_and_recorded(target_dir, monkeypatch):
