@@ -244,8 +244,8 @@ def checked_cost_model(profile: Profile, name: str) -> dict[str, list[float]] | 
     return repaired
 
 
-CHEAPER_BATCH = 0.7  # a larger batch's plain step below this fraction of a smaller one's: impossible
-DEARER_BATCH = 1.5  # a plain step dearer than this times its rows run one batch at a time: impossible
+CHEAPER_BATCH = 0.7  # a larger batch's step below this fraction of a smaller one's: impossible
+DEARER_BATCH = 1.5  # a step dearer than this times its rows run one batch at a time: impossible
 IMPLAUSIBLE_MARGIN_MS = 10.0  # and by more than this: a tiny model's steps of a few ms jitter freely
 
 
@@ -257,8 +257,8 @@ def implausible_steps(batch_stats: dict[int, dict[int, float]]) -> list[str]:
     of a, with slack (ITL(b, K) > ``DEARER_BATCH`` x b / a x ITL(a, K)), each by more than
     ``IMPLAUSIBLE_MARGIN_MS``. Either is a step timed while something else held the cores (a test
     suite, another process): such a profile misprices every K. The drafting columns are judged as
-    the plain one is: zen4's auto profile of the pair timed ITL(24, 1..4) at 1,046-1,160 ms beside
-    ITL(16, 1) = 310 with ITL(24, 0) plausible, and was cached (the results diary, "The
+    the plain one is: zen4's auto profile of the pair timed ITL(24, 1..2) at 1,069-1,092 ms beside
+    ITL(16, 1..2) = 310-430 with ITL(24, 0) plausible, and was cached (the results diary, "The
     long-tailed code rollout on a slower zen4 host")."""
     return [why for _, _, why in _implausible_pairs(batch_stats)]
 
