@@ -392,7 +392,7 @@ def test_the_zen4_profile_whose_drafting_row_was_cached_is_now_judged_implausibl
     """zen4's auto profile of the pair (results/zen4/longtail40/auto_profile_pair.json) timed
     ITL(24, 1..2) at 1,069-1,092 ms beside ITL(16, 1..2) of 310-430 with ITL(24, 0) plausible: the
     plain column alone passed it and it was cached. Every column judged, it is named."""
-    from dynaspec.kpolicy.profile import implausible_steps, load_profile
+    from dynaspec.kpolicy.profile import implausible_steps
 
     profile = load_profile(Path(__file__).parents[1] / "fixtures" / "profile_auto_pair_zen4_outlier_row.json")
     plain = {bs: {0: row[0]} for bs, row in profile.batch_stats.items()}
